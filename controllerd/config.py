@@ -1,0 +1,600 @@
+"""The daemon's configuration: one TOML file plus ``CONTROLLERD_*`` environment overrides.
+
+Pure: :func:`load` turns text and an env mapping into a validated, immutable
+:class:`Config`, or raises one :class:`ConfigError` listing every problem. The TOML
+shape, the env variable names and :func:`to_dict` are all derived from the dataclass
+fields below, so a new field is automatically a setting. Fields marked
+``metadata={"reload": False}`` are read only at start-up; :func:`restart_required` tells
+the SIGHUP handler which changes it cannot apply. Constructing a ``Config`` directly does
+not validate it; only :func:`load` guarantees a valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import tomllib
+import types
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import TYPE_CHECKING, Any, Final, Union, get_args, get_origin, get_type_hints
+
+from controllerd.model import PolicySettings
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Mapping
+
+ENV_PREFIX: Final = "CONTROLLERD_"
+"""Prefix of override variables: ``CONTROLLERD_<TABLE>__<KEY>`` (levels split by ``__``)."""
+
+CONFIG_PATH_ENV: Final = "CONTROLLERD_CONFIG"
+"""Names the config file (read by the CLI); never treated as an override."""
+
+_RESTART: Final = {"reload": False}
+"""Field metadata: the value is only read at start-up, a change needs a restart."""
+
+_HTTP_SCHEMES: Final = ("http://", "https://")
+BROKER_PROFILES: Final = ("pulsar", "reference")
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+LOG_FORMATS: Final = ("auto", "json", "console")
+
+
+class ConfigError(ValueError):
+    """The configuration is unusable; ``errors`` holds every problem as ``section.key: why``."""
+
+    errors: list[str]
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("invalid configuration:\n  " + "\n  ".join(errors))
+        self.errors = errors
+
+
+# --- rule helpers (each returns the error messages it found) -----------------
+
+
+def _show(value: object) -> str:
+    """``-1`` rather than ``-1.0`` for whole floats, so messages echo what the user wrote."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return str(int(value))
+    return repr(value)
+
+
+def _positive(prefix: str, name: str, value: float, *, finite: bool = True) -> list[str]:
+    if not value > 0:
+        return [f"{prefix}.{name}: must be > 0 (got {_show(value)})"]
+    if finite and not math.isfinite(value):
+        return [f"{prefix}.{name}: must be finite (got {_show(value)})"]
+    return []
+
+
+def _at_least(prefix: str, name: str, value: float, low: float) -> list[str]:
+    if not value >= low:
+        return [f"{prefix}.{name}: must be >= {_show(low)} (got {_show(value)})"]
+    if not math.isfinite(value):
+        return [f"{prefix}.{name}: must be finite (got {_show(value)})"]
+    return []
+
+
+def _one_of(prefix: str, name: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    if value in allowed:
+        return []
+    return [f"{prefix}.{name}: must be one of {', '.join(allowed)} (got {value!r})"]
+
+
+def _http_url(prefix: str, name: str, value: str) -> list[str]:
+    if any(value.startswith(s) and len(value) > len(s) for s in _HTTP_SCHEMES):
+        return []
+    return [f"{prefix}.{name}: must be an http:// or https:// URL (got {value!r})"]
+
+
+def _key_path(prefix: str, name: str, value: str) -> list[str]:
+    """An etcd key prefix: empty (the root) or ``/a/b`` without a trailing slash."""
+    if value == "" or (value.startswith("/") and not value.endswith("/")):
+        return []
+    return [
+        f"{prefix}.{name}: must be empty or start with '/' and not end with '/' (got {value!r})"
+    ]
+
+
+def _cert_pair(prefix: str, cert: str | None, key: str | None) -> list[str]:
+    if (cert is None) == (key is None):
+        return []
+    missing = "key_file" if key is None else "cert_file"
+    other = "cert_file" if key is None else "key_file"
+    return [f"{prefix}.{missing}: must be set when {other} is (client TLS needs both)"]
+
+
+def _split_listen(listen: str) -> tuple[str, int] | None:
+    """``host:port`` → (host, port); IPv6 hosts are bracketed. None when malformed."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not port.isascii():
+        return None
+    if host.startswith("[") and host.endswith("]") and len(host) > 2:
+        host = host[1:-1]
+    elif ":" in host or "[" in host or "]" in host:
+        return None
+    number = int(port)
+    return (host, number) if number <= 65535 else None
+
+
+# --- the tables ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    #: Names this Pulsar cluster; part of the controller's etcd root, so two
+    #: clusters sharing one etcd do not elect one leader between them.
+    name: str = field(default="default", metadata=_RESTART)
+
+    def errors(self, prefix: str = "cluster") -> list[str]:
+        if self.name and "/" not in self.name:
+            return []
+        return [f"{prefix}.name: must be non-empty and contain no '/' (got {self.name!r})"]
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdSettings:
+    """Connection to the etcd holding Pulsar's metadata. Only read at start-up."""
+
+    #: etcd client URLs; the default is a local single-node etcd.
+    endpoints: tuple[str, ...] = field(default=("http://127.0.0.1:2379",), metadata=_RESTART)
+    #: Key prefix of Pulsar's metadata (its metadata-store chroot); Pulsar's default.
+    metadata_prefix: str = field(default="/pulsar", metadata=_RESTART)
+    #: Our own keys (election, state) live under ``<controller_prefix>/<cluster.name>``.
+    controller_prefix: str = field(default="/controllerd", metadata=_RESTART)
+    #: etcd user; None = no authentication (etcd's default).
+    username: str | None = field(default=None, metadata=_RESTART)
+    #: File holding the etcd password, so the secret stays out of this file.
+    password_file: str | None = field(default=None, metadata=_RESTART)
+    #: PEM CA bundle for https endpoints; None = the system trust store.
+    ca_file: str | None = field(default=None, metadata=_RESTART)
+    #: PEM client certificate for mutual TLS; needs key_file.
+    cert_file: str | None = field(default=None, metadata=_RESTART)
+    #: PEM private key of cert_file.
+    key_file: str | None = field(default=None, metadata=_RESTART)
+    #: Seconds per etcd request; 5 s tolerates an etcd leader election.
+    timeout_seconds: float = field(default=5.0, metadata=_RESTART)
+
+    def errors(self, prefix: str = "etcd") -> list[str]:
+        errs: list[str] = []
+        if not self.endpoints:
+            errs.append(f"{prefix}.endpoints: must list at least one URL")
+        for i, url in enumerate(self.endpoints):
+            errs += _http_url(prefix, f"endpoints[{i}]", url)
+        errs += _key_path(prefix, "metadata_prefix", self.metadata_prefix)
+        errs += _key_path(prefix, "controller_prefix", self.controller_prefix)
+        errs += _cert_pair(prefix, self.cert_file, self.key_file)
+        errs += _positive(prefix, "timeout_seconds", self.timeout_seconds)
+        return errs
+
+
+@dataclass(frozen=True, slots=True)
+class ElectionSettings:
+    #: Seconds (etcd leases are whole seconds). A dead leader is replaced within
+    #: this; 10 s rides out GC pauses without a long leaderless gap.
+    lease_ttl_seconds: int = field(default=10, metadata=_RESTART)
+
+    def errors(self, prefix: str = "election") -> list[str]:
+        # The lease is refreshed at ttl/2; below 2 s that interval rounds to 0.
+        return _at_least(prefix, "lease_ttl_seconds", self.lease_ttl_seconds, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleSettings:
+    #: Seconds between split/merge evaluations; 60 s matches Pulsar's load-report
+    #: cadence, so evaluating faster sees no new data.
+    interval_seconds: float = 60.0
+
+    def errors(self, prefix: str = "autoscale") -> list[str]:
+        return _positive(prefix, "interval_seconds", self.interval_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class GcSettings:
+    #: Seconds between garbage-collection passes over sealed segments.
+    interval_seconds: float = 60.0
+    #: Seconds a sealed segment is kept when its topic sets no retention; one day.
+    #: Negative = keep forever.
+    default_retention_seconds: float = 86_400.0
+
+    def errors(self, prefix: str = "gc") -> list[str]:
+        errs = _positive(prefix, "interval_seconds", self.interval_seconds)
+        if not math.isfinite(self.default_retention_seconds):
+            errs.append(
+                f"{prefix}.default_retention_seconds: must be finite, negative to keep "
+                f"forever (got {_show(self.default_retention_seconds)})"
+            )
+        return errs
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerSettings:
+    #: Pulsar admin REST base URL; the default is a local standalone broker.
+    admin_url: str = "http://127.0.0.1:8080"
+    #: Admin API dialect: "pulsar" (upstream) or "reference" (our test broker).
+    profile: str = "pulsar"
+    #: File holding the admin bearer token; re-read on SIGHUP so tokens can rotate.
+    token_file: str | None = None
+    #: PEM CA bundle for an https admin_url; None = the system trust store.
+    ca_file: str | None = None
+    #: PEM client certificate for mutual TLS; needs key_file.
+    cert_file: str | None = None
+    #: PEM private key of cert_file.
+    key_file: str | None = None
+    #: Seconds per admin request; splits touch metadata and can take a few seconds.
+    timeout_seconds: float = 10.0
+    #: Retries of a failed idempotent admin request (with backoff); 0 = no retry.
+    max_retries: int = 5
+
+    def errors(self, prefix: str = "broker") -> list[str]:
+        return [
+            *_http_url(prefix, "admin_url", self.admin_url),
+            *_one_of(prefix, "profile", self.profile, BROKER_PROFILES),
+            *_cert_pair(prefix, self.cert_file, self.key_file),
+            *_positive(prefix, "timeout_seconds", self.timeout_seconds),
+            *_at_least(prefix, "max_retries", self.max_retries, 0),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    #: ``host:port`` of /metrics and /status (IPv6 as ``[::1]:9464``); loopback by
+    #: default because /status is unauthenticated, 9464 is the Prometheus exporter port.
+    listen: str = field(default="127.0.0.1:9464", metadata=_RESTART)
+
+    @property
+    def host(self) -> str:
+        """The listen host without IPv6 brackets. Requires a valid ``listen``."""
+        return _listen_or_raise(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        return _listen_or_raise(self.listen)[1]
+
+    def errors(self, prefix: str = "http") -> list[str]:
+        if _split_listen(self.listen) is not None:
+            return []
+        return [f"{prefix}.listen: must be host:port with a port 0-65535 (got {self.listen!r})"]
+
+
+def _listen_or_raise(listen: str) -> tuple[str, int]:
+    parsed = _split_listen(listen)
+    if parsed is None:
+        raise ValueError(f"http.listen: not host:port: {listen!r}")
+    return parsed
+
+
+@dataclass(frozen=True, slots=True)
+class AuditSettings:
+    #: Kafka bootstrap servers (``host:port,...``) for the decision audit log;
+    #: None = decisions are only logged.
+    kafka_bootstrap: str | None = None
+    #: Kafka topic receiving one record per decision.
+    topic: str = "controllerd.decisions"
+    #: Records held while Kafka is unreachable before the oldest are dropped;
+    #: bounded so an outage cannot exhaust memory.
+    buffer_size: int = 1000
+
+    def errors(self, prefix: str = "audit") -> list[str]:
+        errs = _at_least(prefix, "buffer_size", self.buffer_size, 1)
+        if not self.topic:
+            errs.append(f"{prefix}.topic: must not be empty")
+        return errs
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReportSettings:
+    #: Relative change (0.25 = 25 %) of any rate that makes a reporter re-publish
+    #: its load record; smaller means more etcd writes. inf = never for a change.
+    rate_change_threshold: float = 0.25
+    #: Seconds after which an unchanged record is re-published anyway, keeping
+    #: sampledAtMs fresh (well under policy.load_ttl_seconds). 0 = never.
+    report_max_interval_seconds: float = 300.0
+    #: Also write when a rate crosses a split or merge threshold, however small
+    #: the change, so the policy never acts on the wrong side of one.
+    threshold_crossing: bool = True
+
+    def errors(self, prefix: str = "load_report") -> list[str]:
+        return [
+            *_positive(prefix, "rate_change_threshold", self.rate_change_threshold, finite=False),
+            *_at_least(prefix, "report_max_interval_seconds", self.report_max_interval_seconds, 0),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingSettings:
+    #: Minimum level logged: debug, info, warning or error.
+    level: str = "info"
+    #: auto = console on a terminal, json otherwise (for log shippers).
+    format: str = "auto"
+
+    def errors(self, prefix: str = "logging") -> list[str]:
+        return [
+            *_one_of(prefix, "level", self.level, LOG_LEVELS),
+            *_one_of(prefix, "format", self.format, LOG_FORMATS),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole file; one field per TOML table. Defaults are the reference config."""
+
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    election: ElectionSettings = field(default_factory=ElectionSettings)
+    autoscale: AutoscaleSettings = field(default_factory=AutoscaleSettings)
+    gc: GcSettings = field(default_factory=GcSettings)
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
+    audit: AuditSettings = field(default_factory=AuditSettings)
+    load_report: LoadReportSettings = field(default_factory=LoadReportSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
+
+    @property
+    def controller_root(self) -> str:
+        """etcd prefix of our own keys: ``<etcd.controller_prefix>/<cluster.name>``."""
+        return f"{self.etcd.controller_prefix}/{self.cluster.name}"
+
+    def errors(self) -> list[str]:
+        """Every violated rule across all tables (empty = valid)."""
+        errs: list[str] = []
+        for f in fields(self):
+            errs += getattr(self, f.name).errors(f.name)
+        return errs
+
+
+# --- TOML → dataclasses (generic, driven by the type hints) -----------------
+
+_NONE_TYPE: Final = type(None)
+
+
+class _Invalid:
+    """Marks a value that failed conversion (its error is already recorded)."""
+
+
+_INVALID: Final = _Invalid()
+
+
+def _optional_arm(tp: Any) -> Any | None:
+    """``X`` for ``X | None``, else None."""
+    if get_origin(tp) in (types.UnionType, Union):
+        args = [a for a in get_args(tp) if a is not _NONE_TYPE]
+        if len(args) == 1 and len(get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def _describe(tp: Any) -> str:
+    if tp is bool:
+        return "a boolean (true or false)"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if (arm := _optional_arm(tp)) is not None:
+        return _describe(arm)
+    if get_origin(tp) is tuple:
+        return "a list of " + _describe(get_args(tp)[0]).split(" ", 1)[1] + "s"
+    if is_dataclass(tp):
+        return "a table"
+    raise TypeError(f"unsupported config field type {tp!r}")
+
+
+def _got(value: object) -> str:
+    return "a table" if isinstance(value, dict) else repr(value)
+
+
+def _convert(value: object, tp: Any, default: Any, path: str, errs: list[str]) -> Any:
+    """``value`` (parsed TOML) as type ``tp``, or ``_INVALID`` after recording why not.
+
+    A table is applied on top of ``default``: keys it omits keep their default.
+    """
+    if (arm := _optional_arm(tp)) is not None:
+        # TOML has no null: an empty string unsets an optional setting (handy from env).
+        return None if value == "" else _convert(value, arm, default, path, errs)
+    if is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(default, value, path, errs)
+    elif get_origin(tp) is tuple:
+        elem, ellipsis = get_args(tp)
+        if ellipsis is not Ellipsis:
+            raise TypeError(f"only homogeneous tuples are supported, not {tp!r} at {path}")
+        if isinstance(value, list):
+            items = [_convert(v, elem, None, f"{path}[{i}]", errs) for i, v in enumerate(value)]
+            return _INVALID if any(v is _INVALID for v in items) else tuple(items)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"unsupported config field type {tp!r} at {path}")
+    errs.append(f"{path}: expected {_describe(tp)}, got {_got(value)}")
+    return _INVALID
+
+
+def _unknown(path: str, key: str, value: object, known: list[str]) -> str:
+    what = "table" if isinstance(value, dict) else "setting"
+    msg = f"{path}{key}: unknown {what}"
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"{msg} (did you mean {close[0]}?)" if close else msg
+
+
+def _build(base: Any, table: dict[str, Any], path: str, errs: list[str]) -> Any:
+    """Dataclass instance ``base`` with the settings of a TOML table applied.
+
+    Fields the table omits, or gives an unusable value, keep ``base``'s value.
+    """
+    hints = get_type_hints(type(base))
+    names = [f.name for f in fields(base)]
+    changes: dict[str, Any] = {}
+    prefix = f"{path}." if path else ""
+    for key, value in table.items():
+        if key not in names:
+            errs.append(_unknown(prefix, key, value, names))
+            continue
+        converted = _convert(value, hints[key], getattr(base, key), prefix + key, errs)
+        if converted is not _INVALID:
+            changes[key] = converted
+    return replace(base, **changes)
+
+
+# --- environment overrides -------------------------------------------------
+
+
+def _env_value(raw: str, tp: Any) -> object:
+    """A variable's value parsed as a TOML value; unparsable text is a plain string.
+
+    A string field always takes the text (``CONTROLLERD_CLUSTER__NAME=123`` means "123"),
+    unless it is a quoted TOML string.
+    """
+    try:
+        parsed = tomllib.loads("v = " + raw)
+    except tomllib.TOMLDecodeError:
+        return raw
+    if list(parsed) != ["v"]:  # e.g. "1\nx = 2" smuggling a second key
+        return raw
+    value = parsed["v"]
+    if (tp is str or _optional_arm(tp) is str) and not isinstance(value, str):
+        return raw
+    return value
+
+
+def _env_target(parts: list[str]) -> tuple[list[str], Any] | None:
+    """The field path and type named by the lower-cased parts of a variable, if any."""
+    cls: Any = Config
+    tp: Any = Config
+    for part in parts:
+        if not is_dataclass(cls) or part not in {f.name for f in fields(cls)}:
+            return None
+        tp = get_type_hints(cls)[part]
+        cls = tp
+    return (parts, tp) if parts else None
+
+
+def _apply_env(data: dict[str, Any], env: Mapping[str, str], errs: list[str]) -> dict[str, str]:
+    """Merge overrides into ``data`` in place; returns dotted path → variable name."""
+    sources: dict[str, str] = {}
+    for name in sorted(env):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper == CONFIG_PATH_ENV:
+            continue
+        parts = upper[len(ENV_PREFIX) :].lower().split("__")
+        target = _env_target(parts)
+        if target is None:
+            errs.append(f"{name}: unknown setting {'.'.join(parts)!r}")
+            continue
+        path, tp = target
+        value = _env_value(env[name], tp)
+        node: Any = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                break  # the file has a non-table here: its type error is reported
+            node = child
+        else:
+            _merge_value(node, path[-1], value)
+            sources[".".join(path)] = name
+    return sources
+
+
+def _merge_value(table: dict[str, Any], key: str, value: object) -> None:
+    """Set ``table[key]``; an inline table from env merges into the file's table."""
+    old = table.get(key)
+    table[key] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
+
+
+def _blame_env(errs: list[str], sources: Mapping[str, str]) -> list[str]:
+    """Suffix errors about env-overridden settings with the variable, so users look there."""
+    out = []
+    for err in errs:
+        subject = err.split(":", 1)[0]
+        var = next((v for p, v in sources.items() if _within(subject, p)), None)
+        out.append(err if var is None else f"{err} (from {var})")
+    return out
+
+
+def _within(subject: str, path: str) -> bool:
+    """Whether the dotted ``subject`` is ``path`` or lies inside it."""
+    return subject == path or subject.startswith((path + ".", path + "["))
+
+
+def _subject(err: str) -> str:
+    return err.split(":", 1)[0].split("[", 1)[0]
+
+
+# --- public API ------------------------------------------------------------
+
+
+def load(text: str, env: Mapping[str, str] | None = None) -> Config:
+    """Parse, override from ``env`` (default: none) and validate; raises ConfigError.
+
+    Validation runs even when some values had the wrong type (those keep their
+    defaults), but a rule about a field that already has a type error is not reported.
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"invalid TOML: {exc}"]) from None
+    errs: list[str] = []
+    sources = _apply_env(data, env or {}, errs)
+    config: Config = _build(Config(), data, "", errs)
+    bad_types = {_subject(e) for e in errs}
+    errs += [e for e in config.errors() if not any(_within(_subject(e), b) for b in bad_types)]
+    if errs:
+        raise ConfigError(_blame_env(errs, sources))
+    return config
+
+
+def load_file(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
+    """:func:`load` of a file; an unreadable or non-UTF-8 file is a ConfigError too."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot read config file: {exc}"]) from None
+    return load(text, env)
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _plain(v) for f in fields(value) if (v := getattr(value, f.name)) is not None
+        }
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """Nested plain dict in the TOML file's shape; unset (None) settings are omitted,
+    as TOML has no null, so the result written as TOML loads back to ``config``."""
+    result: dict[str, Any] = _plain(config)
+    return result
+
+
+def restart_required(old: Config, new: Config) -> list[str]:
+    """Dotted names of changed ``reload=False`` fields: what a SIGHUP cannot apply."""
+    changed: list[str] = []
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        for f in fields(a):
+            va, vb = getattr(a, f.name), getattr(b, f.name)
+            if not f.metadata.get("reload", True):
+                if va != vb:
+                    changed.append(prefix + f.name)
+            elif is_dataclass(va) and not isinstance(va, type):
+                walk(va, vb, f"{prefix}{f.name}.")
+
+    walk(old, new, "")
+    return changed

@@ -1,0 +1,120 @@
+"""Which sealed segments may be garbage-collected (DESIGN §6, GC), pure.
+
+A segment is prunable when it is sealed with a known seal time, is past its
+retention (negative retention keeps it forever) and every subscription has
+drained it: backlog <= 0 everywhere, where a 404 (``None`` here) means *not*
+drained and a topic without subscriptions counts as drained. On top of that a
+segment is only pruned together with, or after, every parent still in the
+layout (see :mod:`controllerd.layout`), so the layout invariants survive GC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from controllerd.model import Layout, Segment
+
+RETENTION_KEY: Final = "segmentRetentionSeconds"
+"""Layout property / policy override key holding a topic's or namespace's retention."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """GC's answer for one segment; ``reason`` is a stable code, ``detail`` for humans."""
+
+    segment_id: int
+    prunable: bool
+    reason: str
+    detail: str = ""
+
+
+def resolve_retention(
+    default_seconds: float,
+    layout: Layout | None = None,
+    *overrides: Mapping[str, Any] | None,
+) -> float:
+    """Retention for a topic: its layout property, else the narrowest override, else default.
+
+    ``overrides`` run broadest first (tenant, namespace); an unparsable value is
+    ignored in favour of the next broader one (never deletes sooner than
+    asked: a typo cannot shorten retention below the default).
+    """
+    chain: list[Any] = []
+    if layout is not None:
+        chain.append(layout.properties.get(RETENTION_KEY))
+    chain.extend(o.get(RETENTION_KEY) if o else None for o in reversed(overrides))
+    for raw in chain:
+        if raw is None or isinstance(raw, bool):
+            continue
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            continue
+    return default_seconds
+
+
+def candidates(layout: Layout, now_ms: int, retention_seconds: float) -> list[Segment]:
+    """Sealed segments past retention, oldest seal first: the ones worth a backlog query."""
+    if retention_seconds < 0:
+        return []
+    due = [
+        s
+        for s in layout.segments.values()
+        if not s.active
+        and s.sealed_at_ms > 0
+        and now_ms - s.sealed_at_ms >= retention_seconds * 1000.0
+    ]
+    return sorted(due, key=lambda s: (s.sealed_at_ms, s.segment_id))
+
+
+def prunable(
+    segment: Segment,
+    now_ms: int,
+    retention_seconds: float,
+    backlogs: Mapping[str, int | None],
+) -> Verdict:
+    """Apply the GC rule to one segment.
+
+    Args:
+        backlogs: backlog per subscription on this segment; None = the broker
+            answered 404 (the cursor does not exist yet: not drained).
+    """
+    sid = segment.segment_id
+    if segment.active:
+        return Verdict(sid, False, "active", "segment is active")
+    if segment.sealed_at_ms <= 0:
+        return Verdict(sid, False, "no-seal-time", "sealedAtMs is unknown")
+    if retention_seconds < 0:
+        return Verdict(sid, False, "keep-forever", "retention is negative (keep forever)")
+    age_s = (now_ms - segment.sealed_at_ms) / 1000.0
+    if age_s < retention_seconds:
+        return Verdict(
+            sid, False, "retention", f"sealed {age_s:g}s ago, retention {retention_seconds:g}s"
+        )
+    undrained = sorted(sub for sub, n in backlogs.items() if n is None)
+    if undrained:
+        return Verdict(sid, False, "not-drained", f"no cursor yet for {undrained}")
+    lagging = {sub: n for sub, n in sorted(backlogs.items()) if n is not None and n > 0}
+    if lagging:
+        return Verdict(sid, False, "backlog", f"backlog {lagging}")
+    return Verdict(sid, True, "drained", f"sealed {age_s:g}s ago and drained by every subscription")
+
+
+def select(layout: Layout, verdicts: Mapping[int, Verdict]) -> list[int]:
+    """Prunable ids whose parents still in the layout are all pruned with them.
+
+    Drops a prunable segment while any present parent is not itself selected,
+    repeating until stable; the result is safe for :func:`layout.prune`.
+    """
+    chosen = {sid for sid, v in verdicts.items() if v.prunable and sid in layout.segments}
+    changed = True
+    while changed:
+        changed = False
+        for sid in sorted(chosen):
+            parents = layout.segments[sid].parent_ids
+            if any(p in layout.segments and p not in chosen for p in parents):
+                chosen.discard(sid)
+                changed = True
+    return sorted(chosen)

@@ -1,0 +1,458 @@
+"""Value types shared by the pure core, the daemon, the CLI and the backtest.
+
+Everything here is frozen and I/O-free. JSON (de)serialisation of the Pulsar
+wire shapes lives next to the types so that every caller parses the same way:
+leniently (unknown fields are kept for round-trips, never interpreted) and
+with a :class:`ModelError` naming the offending field when a value is unusable.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+HASH_MIN: Final = 0x0000
+HASH_MAX: Final = 0xFFFF
+HASH_SPACE: Final = HASH_MAX + 1
+
+RATE_NAMES: Final = ("msgRateIn", "byteRateIn", "msgRateOut", "byteRateOut")
+"""Canonical names of the four load rates, in Pulsar's evaluation order."""
+
+
+class ModelError(ValueError):
+    """A JSON document does not describe a usable value; the message names the field."""
+
+
+class SegmentState(enum.StrEnum):
+    ACTIVE = "ACTIVE"
+    SEALED = "SEALED"
+
+
+@dataclass(frozen=True, slots=True)
+class HashRange:
+    """Inclusive range ``[start, end]`` of the 16-bit hash space."""
+
+    start: int
+    end: int
+
+    @property
+    def width(self) -> int:
+        return self.end - self.start + 1
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Pulsar's ``SegmentInfo``. ``sealed_at_*`` are -1 while the segment is active."""
+
+    segment_id: int
+    hash_range: HashRange
+    state: SegmentState
+    parent_ids: tuple[int, ...] = ()
+    child_ids: tuple[int, ...] = ()
+    created_at_epoch: int = 0
+    sealed_at_epoch: int = -1
+    created_at_ms: int = 0
+    sealed_at_ms: int = -1
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def active(self) -> bool:
+        return self.state is SegmentState.ACTIVE
+
+    @property
+    def descriptor(self) -> str:
+        """Segment topic name suffix, ``%04x-%04x-%d`` as Pulsar names it."""
+        return f"{self.hash_range.start:04x}-{self.hash_range.end:04x}-{self.segment_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Pulsar's ``ScalableTopicMetadata``.
+
+    ``segments`` is keyed by segment id and must never be mutated: layout
+    operations build a new mapping. ``auto_scale_policy`` is the raw per-topic
+    override (camelCase keys); it is resolved against the configured policy by
+    :func:`controllerd.policy.resolve_policy`.
+    """
+
+    epoch: int
+    next_segment_id: int
+    segments: Mapping[int, Segment]
+    properties: Mapping[str, str] = field(default_factory=dict)
+    auto_scale_policy: Mapping[str, Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def active_segments(self) -> list[Segment]:
+        """Active segments in hash order (ascending range start)."""
+        return sorted(
+            (s for s in self.segments.values() if s.state is SegmentState.ACTIVE),
+            key=lambda s: s.hash_range.start,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """The four load rates (per second). Also used for thresholds."""
+
+    msg_rate_in: float
+    byte_rate_in: float
+    msg_rate_out: float
+    byte_rate_out: float
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.msg_rate_in, self.byte_rate_in, self.msg_rate_out, self.byte_rate_out)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """One segment's load record as the policy sees it (DESIGN §4).
+
+    ``changed_at_ms`` is when the record last changed materially (Pulsar's
+    cold-since). ``sampled_at_ms`` is when a reporter last vouched for it
+    (None: unknown, e.g. plain Pulsar; the daemon substitutes the time it first
+    saw the record). ``cold_since_ms`` is our DESIGN §8.1 extension: when the
+    segment last became continuously cold; it supersedes ``changed_at_ms`` for
+    the merge window when present.
+    """
+
+    rates: Rates
+    changed_at_ms: int
+    sampled_at_ms: int | None = None
+    cold_since_ms: int | None = None
+
+
+# --- decisions -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Split ``segment_id`` into ``len(boundaries) + 1`` children.
+
+    ``boundaries`` are the children's start values after the first, ascending,
+    strictly inside the segment's range. ``reason`` is a stable code (metric
+    label, CLI field); ``detail`` is the human-readable explanation.
+    """
+
+    segment_id: int
+    boundaries: tuple[int, ...]
+    reason: str
+    detail: str = ""
+
+    action = "split"
+
+
+@dataclass(frozen=True, slots=True)
+class Merge:
+    """Merge two adjacent active segments; ``a`` is the lower hash range."""
+
+    a: int
+    b: int
+    reason: str
+    detail: str = ""
+
+    action = "merge"
+
+
+@dataclass(frozen=True, slots=True)
+class NoAction:
+    reason: str
+    detail: str = ""
+
+    action = "none"
+
+
+Decision = Split | Merge | NoAction
+
+
+def decision_to_json(decision: Decision) -> dict[str, Any]:
+    """The ``controllerd decide`` output object (a scripted contract)."""
+    if isinstance(decision, Split):
+        segments, boundaries = [decision.segment_id], list(decision.boundaries)
+    elif isinstance(decision, Merge):
+        segments, boundaries = [decision.a, decision.b], []
+    else:
+        segments, boundaries = [], []
+    return {
+        "action": decision.action,
+        "segments": segments,
+        "boundaries": boundaries,
+        "reason": decision.reason,
+        "detail": decision.detail,
+    }
+
+
+# --- policy settings (the [policy] table; resolved per topic) ---------------
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySettings:
+    """Auto split/merge policy. Defaults are Pulsar's (PIP-483) unless marked ours.
+
+    Durations are in seconds. A value of 0 for ``load_ttl_seconds`` disables the
+    staleness check (Pulsar behaviour). ``max_split_fanout = 2`` and
+    ``min_split_width = 1`` and ``merge_combined_max_ratio = inf`` together
+    reproduce Pulsar exactly.
+    """
+
+    enabled: bool = True
+    min_segments: int = 1
+    max_segments: int = 64
+    max_dag_depth: int = 10
+    #: ours: children per split; 2 = Pulsar's binary midpoint split.
+    max_split_fanout: int = 8
+    split_cooldown_seconds: float = 60.0
+    merge_cooldown_seconds: float = 300.0
+    merge_window_seconds: float = 300.0
+    #: ours: a record whose sampledAtMs is older than this never justifies a merge.
+    load_ttl_seconds: float = 900.0
+    #: ours: a split must leave every child at least this many hash values wide,
+    #: so a single hot key cannot make the controller split forever (DESIGN §8.7).
+    min_split_width: int = 256
+    #: ours: a merge is refused when the pair's combined rate reaches this
+    #: fraction of the split threshold (it would re-split at once).
+    merge_combined_max_ratio: float = 0.8
+    split_thresholds: Rates = Rates(10_000.0, 50e6, 50_000.0, 250e6)
+    merge_thresholds: Rates = Rates(1_000.0, 5e6, 5_000.0, 25e6)
+
+    def errors(self, prefix: str = "policy") -> list[str]:
+        """Every violated validation rule, each naming its field (empty = valid)."""
+        errs: list[str] = []
+
+        def bad(name: str, rule: str, value: object) -> None:
+            errs.append(f"{prefix}.{name}: must be {rule} (got {value!r})")
+
+        if self.min_segments < 1:
+            bad("min_segments", ">= 1", self.min_segments)
+        if self.max_segments < self.min_segments:
+            bad("max_segments", f">= min_segments ({self.min_segments})", self.max_segments)
+        if self.max_dag_depth < 0:
+            bad("max_dag_depth", ">= 0", self.max_dag_depth)
+        if self.max_split_fanout < 2:
+            bad("max_split_fanout", ">= 2", self.max_split_fanout)
+        if not 1 <= self.min_split_width <= HASH_SPACE // 2:
+            bad("min_split_width", f"between 1 and {HASH_SPACE // 2}", self.min_split_width)
+        for name in (
+            "split_cooldown_seconds",
+            "merge_cooldown_seconds",
+            "merge_window_seconds",
+            "load_ttl_seconds",
+        ):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                bad(name, "a finite number >= 0", value)
+        if not self.merge_combined_max_ratio > 0:
+            bad("merge_combined_max_ratio", "> 0", self.merge_combined_max_ratio)
+        split, merge = self.split_thresholds, self.merge_thresholds
+        for attr in ("msg_rate_in", "byte_rate_in", "msg_rate_out", "byte_rate_out"):
+            s, m = getattr(split, attr), getattr(merge, attr)
+            if not (s > 0 and math.isfinite(s)):
+                bad(f"split_thresholds.{attr}", "a finite number > 0", s)
+            if not (m >= 0 and math.isfinite(m)):
+                bad(f"merge_thresholds.{attr}", "a finite number >= 0", m)
+            elif s > 0 and not s > m:
+                bad(f"split_thresholds.{attr}", f"> merge_thresholds.{attr} ({m!r})", s)
+        return errs
+
+
+# --- JSON wire shapes (Pulsar field names) ----------------------------------
+
+_SEGMENT_FIELDS = frozenset(
+    {
+        "segmentId",
+        "hashRange",
+        "state",
+        "parentIds",
+        "childIds",
+        "createdAtEpoch",
+        "sealedAtEpoch",
+        "createdAtMs",
+        "sealedAtMs",
+    }
+)
+_LAYOUT_FIELDS = frozenset({"epoch", "nextSegmentId", "segments", "properties", "autoScalePolicy"})
+# Accepted spellings of each rate, canonical first (DESIGN §4: bytesRate* and byteRate*).
+_RATE_SPELLINGS: Final = (
+    ("msgRateIn",),
+    ("byteRateIn", "bytesRateIn"),
+    ("msgRateOut",),
+    ("byteRateOut", "bytesRateOut"),
+)
+
+
+def _int(obj: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = obj.get(key, default)
+    if value is None:
+        raise ModelError(f"{where}.{key}: missing")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ModelError(f"{where}.{key}: expected an integer, got {value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ModelError(f"{where}.{key}: expected an integer, got {value!r}")
+    return int(value)
+
+
+def _number(obj: Mapping[str, Any], keys: tuple[str, ...], where: str) -> float:
+    for key in keys:
+        if key in obj:
+            value = obj[key]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ModelError(f"{where}.{key}: expected a number, got {value!r}")
+            number = float(value)
+            if not math.isfinite(number) or number < 0:
+                raise ModelError(f"{where}.{key}: must be a finite number >= 0, got {value!r}")
+            return number
+    raise ModelError(f"{where}.{keys[0]}: missing")
+
+
+def _id_list(obj: Mapping[str, Any], key: str, where: str) -> tuple[int, ...]:
+    value = obj.get(key) or []
+    if not isinstance(value, list):
+        raise ModelError(f"{where}.{key}: expected a list of segment ids, got {value!r}")
+    return tuple(_int({key: v}, key, where) for v in value)
+
+
+def segment_from_json(obj: Any, where: str = "segment") -> Segment:
+    if not isinstance(obj, Mapping):
+        raise ModelError(f"{where}: expected an object, got {obj!r}")
+    hash_range = obj.get("hashRange")
+    if not isinstance(hash_range, Mapping):
+        raise ModelError(
+            f"{where}.hashRange: expected an object {{start, end}}, got {hash_range!r}"
+        )
+    state = obj.get("state")
+    try:
+        seg_state = SegmentState(str(state).upper())
+    except ValueError:
+        raise ModelError(f"{where}.state: expected ACTIVE or SEALED, got {state!r}") from None
+    return Segment(
+        segment_id=_int(obj, "segmentId", where),
+        hash_range=HashRange(
+            _int(hash_range, "start", f"{where}.hashRange"),
+            _int(hash_range, "end", f"{where}.hashRange"),
+        ),
+        state=seg_state,
+        parent_ids=_id_list(obj, "parentIds", where),
+        child_ids=_id_list(obj, "childIds", where),
+        created_at_epoch=_int(obj, "createdAtEpoch", where, 0),
+        sealed_at_epoch=_int(obj, "sealedAtEpoch", where, -1),
+        created_at_ms=_int(obj, "createdAtMs", where, 0),
+        sealed_at_ms=_int(obj, "sealedAtMs", where, -1),
+        extra={k: v for k, v in obj.items() if k not in _SEGMENT_FIELDS},
+    )
+
+
+def segment_to_json(segment: Segment) -> dict[str, Any]:
+    return {
+        **segment.extra,
+        "segmentId": segment.segment_id,
+        "hashRange": {"start": segment.hash_range.start, "end": segment.hash_range.end},
+        "state": segment.state.value,
+        "parentIds": list(segment.parent_ids),
+        "childIds": list(segment.child_ids),
+        "createdAtEpoch": segment.created_at_epoch,
+        "sealedAtEpoch": segment.sealed_at_epoch,
+        "createdAtMs": segment.created_at_ms,
+        "sealedAtMs": segment.sealed_at_ms,
+    }
+
+
+def layout_from_json(obj: Any) -> Layout:
+    """Parse ``ScalableTopicMetadata``; unknown fields are kept, never interpreted.
+
+    Does not check the layout invariants: call :func:`controllerd.layout.violations`.
+    """
+    if not isinstance(obj, Mapping):
+        raise ModelError(f"layout: expected an object, got {type(obj).__name__}")
+    raw_segments = obj.get("segments")
+    if isinstance(raw_segments, Mapping):
+        items = list(raw_segments.items())
+    elif isinstance(raw_segments, list):
+        items = [(None, s) for s in raw_segments]
+    else:
+        raise ModelError(f"layout.segments: expected an object keyed by id, got {raw_segments!r}")
+    segments: dict[int, Segment] = {}
+    for key, raw in items:
+        seg = segment_from_json(raw, f"layout.segments[{key if key is not None else '?'}]")
+        if key is not None and str(seg.segment_id) != str(key):
+            raise ModelError(f"layout.segments[{key}].segmentId: {seg.segment_id} != map key {key}")
+        if seg.segment_id in segments:
+            raise ModelError(f"layout.segments: duplicate segment id {seg.segment_id}")
+        segments[seg.segment_id] = seg
+    properties = obj.get("properties") or {}
+    if not isinstance(properties, Mapping):
+        raise ModelError(f"layout.properties: expected an object, got {properties!r}")
+    policy = obj.get("autoScalePolicy")
+    if policy is not None and not isinstance(policy, Mapping):
+        raise ModelError(f"layout.autoScalePolicy: expected an object or null, got {policy!r}")
+    default_next = max(segments, default=-1) + 1
+    return Layout(
+        epoch=_int(obj, "epoch", "layout", 0),
+        next_segment_id=_int(obj, "nextSegmentId", "layout", default_next),
+        segments=segments,
+        properties={str(k): str(v) for k, v in properties.items()},
+        auto_scale_policy=dict(policy) if policy is not None else None,
+        extra={k: v for k, v in obj.items() if k not in _LAYOUT_FIELDS},
+    )
+
+
+def layout_to_json(layout: Layout) -> dict[str, Any]:
+    return {
+        **layout.extra,
+        "epoch": layout.epoch,
+        "nextSegmentId": layout.next_segment_id,
+        "segments": {
+            str(sid): segment_to_json(layout.segments[sid]) for sid in sorted(layout.segments)
+        },
+        "properties": dict(layout.properties),
+        "autoScalePolicy": dict(layout.auto_scale_policy)
+        if layout.auto_scale_policy is not None
+        else None,
+    }
+
+
+def rates_from_json(obj: Any, where: str = "load") -> Rates:
+    if not isinstance(obj, Mapping):
+        raise ModelError(f"{where}: expected an object, got {obj!r}")
+    values = [_number(obj, spellings, where) for spellings in _RATE_SPELLINGS]
+    return Rates(*values)
+
+
+def load_sample_from_json(
+    obj: Any, where: str = "load", seen_at_ms: int | None = None
+) -> LoadSample:
+    """Parse a load record (DESIGN §4).
+
+    A record without timestamps (plain Pulsar) takes ``seen_at_ms``, the time
+    the caller first saw this version of it; without that it is an error.
+    ``changedAtMs`` defaults to ``sampledAtMs``.
+    """
+    rates = rates_from_json(obj, where)
+    sampled = _int(obj, "sampledAtMs", where) if obj.get("sampledAtMs") is not None else None
+    if obj.get("changedAtMs") is not None:
+        changed = _int(obj, "changedAtMs", where)
+    elif sampled is not None:
+        changed = sampled
+    elif seen_at_ms is not None:
+        changed = seen_at_ms
+    else:
+        raise ModelError(f"{where}.changedAtMs: missing (and no sampledAtMs)")
+    cold = _int(obj, "coldSinceMs", where) if obj.get("coldSinceMs") is not None else None
+    return LoadSample(rates, changed, sampled, cold)
+
+
+def load_sample_to_json(sample: LoadSample) -> dict[str, Any]:
+    r = sample.rates
+    out: dict[str, Any] = {
+        "msgRateIn": r.msg_rate_in,
+        "byteRateIn": r.byte_rate_in,
+        "msgRateOut": r.msg_rate_out,
+        "byteRateOut": r.byte_rate_out,
+        "changedAtMs": sample.changed_at_ms,
+    }
+    if sample.sampled_at_ms is not None:
+        out["sampledAtMs"] = sample.sampled_at_ms
+    if sample.cold_since_ms is not None:
+        out["coldSinceMs"] = sample.cold_since_ms
+    return out

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian machine with Python 3.11:
+#   ./dev.sh run    set everything up, then run controllerd on the embedded default
+#   ./dev.sh test   set everything up, then lint, type-check and run the whole test suite
+# Set-up is idempotent: system packages are installed only when missing, and the
+# virtualenv (.venv) is refreshed only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+need_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+setup_system() {
+    local missing=()
+    command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "dev.sh: installing ${missing[*]}" >&2
+        need_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive need_root apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+}
+
+setup_python() {
+    local py="${PYTHON:-}"
+    if [ -z "$py" ]; then
+        for candidate in python3.11 python3; do
+            if command -v "$candidate" >/dev/null 2>&1; then py="$candidate"; break; fi
+        done
+    fi
+    [ -d .venv ] || "$py" -m venv .venv
+    local stamp=.venv/.controllerd-installed
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+        .venv/bin/python -m pip install -q --upgrade pip
+        .venv/bin/python -m pip install -q -e '.[dev]'
+        touch "$stamp"
+    fi
+}
+
+cmd="${1:-}"
+case "$cmd" in
+    test)
+        shift
+        setup_system
+        setup_python
+        .venv/bin/ruff check controllerd tests bench
+        .venv/bin/mypy
+        .venv/bin/lint-imports
+        .venv/bin/python -m pytest "$@"
+        ;;
+    run)
+        shift
+        setup_system
+        setup_python
+        exec .venv/bin/controllerd decide --layout examples/layout.json \
+            --load examples/load.json --consumers examples/consumers.json \
+            --now-ms 1760000400000 "$@"
+        ;;
+    *)
+        echo "usage: ./dev.sh run|test [args...]" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,105 @@
+"""The GC rule: retention chain, keep-forever, backlog per subscription, parent order."""
+
+from __future__ import annotations
+
+import pytest
+
+from controllerd import gc
+from controllerd.layout import initial_layout, prune, split, violations
+from controllerd.model import Layout
+
+DAY_MS = 86_400_000
+SEALED_AT = 1_000
+
+
+def sealed_topic() -> Layout:
+    """Segment 0 split at SEALED_AT into 1 and 2; 1 split later into 3 and 4."""
+    lay = split(initial_layout(1), 0, now_ms=SEALED_AT)
+    return split(lay, 1, now_ms=SEALED_AT + DAY_MS)
+
+
+def test_drained_past_retention_is_prunable() -> None:
+    seg = sealed_topic().segments[0]
+    v = gc.prunable(seg, SEALED_AT + DAY_MS, 86_400, {"a": 0, "b": -1})
+    assert v.prunable and v.reason == "drained"
+
+
+def test_no_subscriptions_counts_as_drained() -> None:
+    assert gc.prunable(sealed_topic().segments[0], SEALED_AT + DAY_MS, 86_400, {}).prunable
+
+
+def test_within_retention_is_kept() -> None:
+    v = gc.prunable(sealed_topic().segments[0], SEALED_AT + DAY_MS - 1, 86_400, {})
+    assert not v.prunable and v.reason == "retention"
+
+
+@pytest.mark.parametrize(
+    ("backlogs", "reason"),
+    [
+        ({"a": 0, "b": 1}, "backlog"),
+        ({"a": None}, "not-drained"),
+        ({"a": 5, "b": None}, "not-drained"),
+    ],
+)
+def test_backlog_or_404_on_any_subscription_keeps_it(
+    backlogs: dict[str, int | None], reason: str
+) -> None:
+    v = gc.prunable(sealed_topic().segments[0], SEALED_AT + 10 * DAY_MS, 86_400, backlogs)
+    assert not v.prunable and v.reason == reason
+
+
+def test_negative_retention_keeps_forever_and_active_is_never_prunable() -> None:
+    lay = sealed_topic()
+    v = gc.prunable(lay.segments[0], 10**15, -1, {})
+    assert not v.prunable and v.reason == "keep-forever"
+    assert gc.candidates(lay, 10**15, -1) == []
+    assert gc.prunable(lay.segments[2], 10**15, 0, {}).reason == "active"
+
+
+def test_unknown_seal_time_is_never_prunable() -> None:
+    lay = sealed_topic()
+    seg = lay.segments[0]
+    unknown = type(seg)(
+        seg.segment_id,
+        seg.hash_range,
+        seg.state,
+        seg.parent_ids,
+        seg.child_ids,
+        seg.created_at_epoch,
+        seg.sealed_at_epoch,
+        seg.created_at_ms,
+        -1,
+    )
+    assert gc.prunable(unknown, 10**15, 0, {}).reason == "no-seal-time"
+
+
+def test_candidates_are_sealed_past_retention_oldest_first() -> None:
+    lay = sealed_topic()
+    assert [s.segment_id for s in gc.candidates(lay, SEALED_AT + DAY_MS, 86_400)] == [0]
+    both = gc.candidates(lay, SEALED_AT + 2 * DAY_MS, 86_400)
+    assert [s.segment_id for s in both] == [0, 1]
+
+
+def test_retention_chain_topic_then_namespace_then_default() -> None:
+    lay = sealed_topic()
+    assert gc.resolve_retention(86_400, lay) == 86_400
+    assert gc.resolve_retention(86_400, lay, {"segmentRetentionSeconds": 60}) == 60
+    tenant, namespace = {"segmentRetentionSeconds": 60}, {"segmentRetentionSeconds": 120}
+    assert gc.resolve_retention(86_400, lay, tenant, namespace) == 120
+    topic = Layout(lay.epoch, lay.next_segment_id, lay.segments, {"segmentRetentionSeconds": "-1"})
+    assert gc.resolve_retention(86_400, topic, tenant, namespace) == -1
+    assert gc.resolve_retention(86_400, lay, {"segmentRetentionSeconds": "soon"}) == 86_400
+
+
+def test_select_never_orphans_a_child_of_a_kept_parent() -> None:
+    lay = sealed_topic()
+    now = SEALED_AT + 3 * DAY_MS
+    verdicts = {
+        0: gc.prunable(lay.segments[0], now, 0, {"a": 3}),  # parent still has backlog
+        1: gc.prunable(lay.segments[1], now, 0, {"a": 0}),
+    }
+    assert gc.select(lay, verdicts) == []
+    verdicts[0] = gc.prunable(lay.segments[0], now, 0, {"a": 0})
+    chosen = gc.select(lay, verdicts)
+    assert chosen == [0, 1]
+    assert violations(prune(lay, chosen)) == []

@@ -1,0 +1,209 @@
+"""Layout model: Pulsar JSON, initial layouts, split/merge/prune, merge depth, invariants."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from controllerd.layout import (
+    LayoutError,
+    check,
+    equal_boundaries,
+    initial_layout,
+    merge,
+    merge_depth,
+    prune,
+    split,
+    violations,
+)
+from controllerd.model import (
+    HashRange,
+    Layout,
+    ModelError,
+    Segment,
+    SegmentState,
+    layout_from_json,
+    layout_to_json,
+    load_sample_from_json,
+)
+
+
+def ranges(layout: Layout) -> list[tuple[int, int]]:
+    return [(s.hash_range.start, s.hash_range.end) for s in layout.active_segments()]
+
+
+def test_initial_layout_matches_pulsar() -> None:
+    assert ranges(initial_layout(1)) == [(0, 0xFFFF)]
+    assert ranges(initial_layout(3)) == [(0, 21844), (21845, 43689), (43690, 0xFFFF)]
+    lay = initial_layout(4)
+    assert lay.epoch == 0 and lay.next_segment_id == 4 and violations(lay) == []
+    with pytest.raises(LayoutError):
+        initial_layout(0)
+
+
+def test_midpoint_split_matches_pulsar() -> None:
+    lay = split(initial_layout(1), 0, now_ms=7)
+    assert ranges(lay) == [(0, 0x7FFF), (0x8000, 0xFFFF)]
+    parent = lay.segments[0]
+    assert parent.state is SegmentState.SEALED and parent.child_ids == (1, 2)
+    assert parent.sealed_at_ms == 7 and parent.sealed_at_epoch == 1
+    assert lay.segments[1].parent_ids == (0,) and lay.segments[1].created_at_epoch == 1
+    # Odd width: mid = start + (end - start) / 2 -> [0, 2] and [3, 4].
+    assert equal_boundaries(HashRange(0, 4), 2) == (3,)
+    assert equal_boundaries(HashRange(10, 13), 2) == (12,)
+
+
+def test_k_way_equal_and_explicit_boundaries() -> None:
+    lay = split(initial_layout(1), 0, equal_boundaries(HashRange(0, 0xFFFF), 4), now_ms=0)
+    assert ranges(lay) == [(0, 0x3FFF), (0x4000, 0x7FFF), (0x8000, 0xBFFF), (0xC000, 0xFFFF)]
+    lay = split(initial_layout(1), 0, (0x10, 0x9000), now_ms=0)
+    assert ranges(lay) == [(0, 0xF), (0x10, 0x8FFF), (0x9000, 0xFFFF)]
+    assert lay.next_segment_id == 4 and violations(lay) == []
+
+
+@pytest.mark.parametrize("bounds", [(), (0,), (0x10000,), (0x9000, 0x10), (5, 5)])
+def test_bad_boundaries_are_refused(bounds: tuple[int, ...]) -> None:
+    with pytest.raises(LayoutError) as exc:
+        split(initial_layout(1), 0, bounds, now_ms=0)
+    assert exc.value.code == "bad-boundaries"
+
+
+def test_operations_never_mutate_and_bump_epoch() -> None:
+    before = initial_layout(2)
+    snapshot = json.dumps(layout_to_json(before))
+    after = merge(split(before, 0, now_ms=1), 3, 1, now_ms=2)
+    assert json.dumps(layout_to_json(before)) == snapshot
+    assert after.epoch == 2 and violations(after) == []
+
+
+def test_merge_adjacent_only_and_order_free() -> None:
+    lay = merge(initial_layout(3), 2, 1, now_ms=5)
+    child = lay.segments[3]
+    assert child.parent_ids == (1, 2) and child.hash_range == HashRange(21845, 0xFFFF)
+    assert lay.segments[1].child_ids == (3,) and lay.segments[2].sealed_at_ms == 5
+    with pytest.raises(LayoutError) as exc:
+        merge(initial_layout(3), 0, 2, now_ms=0)
+    assert exc.value.code == "not-adjacent"
+
+
+def test_operations_on_sealed_or_missing_segments_fail() -> None:
+    lay = split(initial_layout(1), 0, now_ms=0)
+    ops: list[Callable[[], Layout]] = [
+        lambda: split(lay, 0, now_ms=0),
+        lambda: merge(lay, 0, 1, now_ms=0),
+    ]
+    for op in ops:
+        with pytest.raises(LayoutError) as exc:
+            op()
+        assert exc.value.code == "not-active"
+    with pytest.raises(LayoutError) as exc:
+        split(lay, 99, now_ms=0)
+    assert exc.value.code == "not-found"
+
+
+def test_prune_removes_links_and_refuses_active_or_orphaning() -> None:
+    lay = split(split(initial_layout(1), 0, now_ms=0), 1, now_ms=0)
+    with pytest.raises(LayoutError) as exc:
+        prune(lay, [2])
+    assert exc.value.code == "not-active"
+    with pytest.raises(LayoutError) as exc:
+        prune(lay, [1])  # its parent 0 stays: 0 would lose its link to 3, 4
+    assert exc.value.code == "parent-present"
+    pruned = prune(lay, [0, 1])
+    assert set(pruned.segments) == {2, 3, 4}
+    assert pruned.segments[3].parent_ids == () and pruned.segments[2].parent_ids == ()
+    assert pruned.next_segment_id == lay.next_segment_id and violations(pruned) == []
+    assert prune(prune(lay, [0]), [1]).segments.keys() == {2, 3, 4}
+
+
+def test_merge_depth_counts_merge_nodes_in_ancestry() -> None:
+    lay = merge(initial_layout(4), 0, 1, now_ms=0)  # 4 = merge(0, 1)
+    lay = merge(lay, 2, 3, now_ms=0)  # 5 = merge(2, 3)
+    assert merge_depth(lay, 4) == 1 and merge_depth(lay, 0) == 0
+    lay = merge(lay, 4, 5, now_ms=0)  # 6 = merge(4, 5): itself + 4 + 5
+    assert merge_depth(lay, 6) == 3
+    lay = split(lay, 6, now_ms=0)  # a split child inherits its parent's ancestry
+    assert merge_depth(lay, 7) == 3
+    # Pruned ancestors no longer count: without 0 and 1, segment 4 has no parents left.
+    assert merge_depth(prune(lay, [0, 1]), 7) == 2
+
+
+def _raw(lay: Layout) -> dict[str, Any]:
+    return json.loads(json.dumps(layout_to_json(lay)))  # type: ignore[no-any-return]
+
+
+def test_invariant_check_detects_gaps_overlaps_uncovered_and_cycles() -> None:
+    raw = _raw(split(initial_layout(1), 0, now_ms=0))
+    gap = json.loads(json.dumps(raw))
+    gap["segments"]["2"]["hashRange"]["start"] = 0x8001
+    assert any("tile" in p for p in violations(layout_from_json(gap)))
+    overlap = json.loads(json.dumps(raw))
+    overlap["segments"]["1"]["hashRange"]["end"] = 0x8000
+    assert violations(layout_from_json(overlap))
+    uncovered = json.loads(json.dumps(raw))
+    uncovered["segments"]["0"]["childIds"] = [1]
+    uncovered["segments"]["2"]["parentIds"] = []
+    assert any("not covered" in p for p in violations(layout_from_json(uncovered)))
+    dangling = json.loads(json.dumps(raw))
+    dangling["segments"]["1"]["parentIds"] = [0, 42]
+    assert any("missing parent 42" in p for p in violations(layout_from_json(dangling)))
+    with pytest.raises(LayoutError):
+        check(layout_from_json(dangling))
+
+
+def test_cycle_is_detected() -> None:
+    a = Segment(0, HashRange(0, 0xFFFF), SegmentState.SEALED, (1,), (1,))
+    b = Segment(1, HashRange(0, 0xFFFF), SegmentState.ACTIVE, (0,), ())
+    c = Segment(1, HashRange(0, 0xFFFF), SegmentState.SEALED, (0,), (0,))
+    assert violations(Layout(1, 2, {0: a, 1: b}))  # active with... consistent? b lacks child 0
+    assert any("cycle" in p for p in violations(Layout(1, 2, {0: a, 1: c})))
+
+
+def test_json_parsing_is_lenient_and_round_trips_unknown_fields() -> None:
+    raw = _raw(initial_layout(2))
+    raw["futureField"] = {"x": 1}
+    raw["segments"]["0"]["brokerHint"] = "b-1"
+    raw["segments"]["1"]["state"] = "active"
+    del raw["segments"]["1"]["createdAtMs"]
+    lay = layout_from_json(raw)
+    assert lay.segments[1].active and lay.segments[1].created_at_ms == 0
+    out = layout_to_json(lay)
+    assert out["futureField"] == {"x": 1} and out["segments"]["0"]["brokerHint"] == "b-1"
+    assert layout_from_json(out) == lay
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda r: r.update(segments=[1, 2]), "layout.segments"),
+        (lambda r: r["segments"]["0"].update(state="MELTED"), "state"),
+        (lambda r: r["segments"]["0"].update(hashRange=None), "hashRange"),
+        (lambda r: r["segments"]["0"]["hashRange"].update(start="zero"), "start"),
+        (lambda r: r["segments"]["0"].update(segmentId=5), "segmentId"),
+        (lambda r: r.update(epoch=1.5), "epoch"),
+        (lambda r: r.update(autoScalePolicy=[1]), "autoScalePolicy"),
+    ],
+)
+def test_malformed_layouts_name_the_field(mutate: Any, field: str) -> None:
+    raw = _raw(initial_layout(2))
+    mutate(raw)
+    with pytest.raises(ModelError, match=field):
+        layout_from_json(raw)
+
+
+def test_load_record_spellings_and_fallbacks() -> None:
+    plain = {"msgRateIn": 1, "bytesRateIn": 2, "msgRateOut": 3, "bytesRateOut": 4}
+    sample = load_sample_from_json({**plain, "changedAtMs": 5})
+    assert sample.rates.as_tuple() == (1, 2, 3, 4) and sample.sampled_at_ms is None
+    assert load_sample_from_json(plain, seen_at_ms=9).changed_at_ms == 9
+    with pytest.raises(ModelError, match="changedAtMs"):
+        load_sample_from_json(plain)
+    with pytest.raises(ModelError, match="msgRateOut"):
+        load_sample_from_json({"msgRateIn": 1, "byteRateIn": 2, "byteRateOut": 4})
+    with pytest.raises(ModelError, match="msgRateIn"):
+        load_sample_from_json({**plain, "msgRateIn": -1, "changedAtMs": 5})
+    full = load_sample_from_json({**plain, "changedAtMs": 5, "sampledAtMs": 6, "coldSinceMs": 1})
+    assert (full.changed_at_ms, full.sampled_at_ms, full.cold_since_ms) == (5, 6, 1)
