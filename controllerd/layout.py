@@ -209,33 +209,42 @@ def apply(layout: Layout, decision: Decision, *, now_ms: int) -> Layout:
     return layout
 
 
-def merge_depths(segments: Mapping[int, Segment]) -> dict[int, int]:
-    """Merge depth of every segment: merge nodes (>= 2 parents) in its ancestry, itself included.
+class MergeDepths:
+    """Lazy, memoised merge depth: merge nodes (>= 2 parents) in a segment's ancestry.
 
-    Ancestors already pruned no longer count (the layout has forgotten them).
-    Assumes a DAG (see :func:`violations`); cycles are cut rather than looped.
+    The segment itself counts. Ancestors already pruned no longer count (the
+    layout has forgotten them). Lazy because the policy needs the depth of a
+    few merge candidates, not of the whole DAG. Cycles (invalid layouts) are
+    cut rather than looped.
     """
-    depths: dict[int, int] = {}
-    ancestry: dict[int, frozenset[int]] = {}
 
-    def merge_ancestry(sid: int, visiting: set[int]) -> frozenset[int]:
-        cached = ancestry.get(sid)
+    def __init__(self, segments: Mapping[int, Segment]) -> None:
+        self._segments = segments
+        self._ancestry: dict[int, frozenset[int]] = {}
+
+    def _merge_ancestry(self, sid: int, visiting: set[int]) -> frozenset[int]:
+        cached = self._ancestry.get(sid)
         if cached is not None:
             return cached
-        seg = segments[sid]
+        seg = self._segments[sid]
         visiting.add(sid)
         found: set[int] = {sid} if len(seg.parent_ids) >= 2 else set()
         for pid in seg.parent_ids:
-            if pid in segments and pid not in visiting:
-                found |= merge_ancestry(pid, visiting)
+            if pid in self._segments and pid not in visiting:
+                found |= self._merge_ancestry(pid, visiting)
         visiting.discard(sid)
         result = frozenset(found)
-        ancestry[sid] = result
+        self._ancestry[sid] = result
         return result
 
-    for sid in segments:
-        depths[sid] = len(merge_ancestry(sid, set()))
-    return depths
+    def __getitem__(self, segment_id: int) -> int:
+        return len(self._merge_ancestry(segment_id, set()))
+
+
+def merge_depths(segments: Mapping[int, Segment]) -> dict[int, int]:
+    """Merge depth of every segment (see :class:`MergeDepths`)."""
+    depths = MergeDepths(segments)
+    return {sid: depths[sid] for sid in segments}
 
 
 def merge_depth(layout: Layout, segment_id: int) -> int:

@@ -26,6 +26,34 @@ class ModelError(ValueError):
     """A JSON document does not describe a usable value; the message names the field."""
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class TopicName:
+    """``tenant/namespace/topic``; no part may be empty or contain ``/``."""
+
+    tenant: str
+    namespace: str
+    topic: str
+
+    def __post_init__(self) -> None:
+        for part in (self.tenant, self.namespace, self.topic):
+            if not part or "/" in part:
+                raise ModelError(f"invalid topic name part {part!r} in {self.path}")
+
+    @property
+    def path(self) -> str:
+        return f"{self.tenant}/{self.namespace}/{self.topic}"
+
+    def __str__(self) -> str:
+        return self.path
+
+    @classmethod
+    def parse(cls, text: str) -> TopicName:
+        parts = text.strip("/").split("/")
+        if len(parts) != 3:
+            raise ModelError(f"topic name {text!r} is not tenant/namespace/topic")
+        return cls(*parts)
+
+
 class SegmentState(enum.StrEnum):
     ACTIVE = "ACTIVE"
     SEALED = "SEALED"
@@ -84,13 +112,23 @@ class Layout:
     properties: Mapping[str, str] = field(default_factory=dict)
     auto_scale_policy: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    _active: tuple[Segment, ...] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
-    def active_segments(self) -> list[Segment]:
-        """Active segments in hash order (ascending range start)."""
-        return sorted(
-            (s for s in self.segments.values() if s.state is SegmentState.ACTIVE),
-            key=lambda s: s.hash_range.start,
-        )
+    def active_segments(self) -> tuple[Segment, ...]:
+        """Active segments in hash order (ascending range start); computed once."""
+        if self._active is None:
+            active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE]
+            active.sort(key=_range_start)
+            # A cache on a frozen value: the layout never changes, so neither does this.
+            object.__setattr__(self, "_active", tuple(active))
+        assert self._active is not None
+        return self._active
+
+
+def _range_start(segment: Segment) -> int:
+    return segment.hash_range.start
 
 
 @dataclass(frozen=True, slots=True)

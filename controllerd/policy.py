@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from controllerd.layout import equal_boundaries, merge_depths
+from controllerd.layout import MergeDepths, equal_boundaries
 from controllerd.model import (
     RATE_NAMES,
     Decision,
@@ -102,17 +102,16 @@ def resolve_policy(
                 continue
             if key in _OVERRIDE_FIELDS:
                 name = _OVERRIDE_FIELDS[key]
-                problem = _type_problem(name, value)
-                if problem:
-                    return PolicyInvalid(f"override #{index + 1} {key}: {problem}")
-                values[name] = value
+                coerced = _coerce(name, value)
+                if isinstance(coerced, str):
+                    return PolicyInvalid(f"override #{index + 1} {key}: {coerced}")
+                values[name] = coerced.value
             elif key in _THRESHOLD_KEYS:
                 table, attr = _THRESHOLD_KEYS[key]
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    return PolicyInvalid(
-                        f"override #{index + 1} {key}: expected a number, got {value!r}"
-                    )
-                thresholds[table][attr] = float(value)
+                coerced = _coerce(attr, value)
+                if isinstance(coerced, str):
+                    return PolicyInvalid(f"override #{index + 1} {key}: {coerced}")
+                thresholds[table][attr] = float(coerced.value)
     resolved = dataclasses.replace(
         base,
         **values,
@@ -125,14 +124,30 @@ def resolve_policy(
     return resolved
 
 
-def _type_problem(name: str, value: Any) -> str | None:
+@dataclass(frozen=True, slots=True)
+class _Value:
+    value: bool | int | float
+
+
+def _coerce(name: str, value: Any) -> _Value | str:
+    """The override value as the field's Python type, or a message saying why not.
+
+    JSON gives ints of any size and floats for integral numbers; both are
+    normalised here so that no value that passed can crash ``decide`` later.
+    """
     if name == "enabled":
-        return None if isinstance(value, bool) else f"expected true/false, got {value!r}"
+        return _Value(value) if isinstance(value, bool) else f"expected true/false, got {value!r}"
     if isinstance(value, bool) or not isinstance(value, int | float):
         return f"expected a number, got {value!r}"
-    if name in _INT_FIELDS and not float(value).is_integer():
-        return f"expected an integer, got {value!r}"
-    return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return f"{str(value)[:20]}... is out of range"
+    if name in _INT_FIELDS:
+        if not number.is_integer():
+            return f"expected an integer, got {value!r}"
+        return _Value(int(number))
+    return _Value(number)
 
 
 def _within(last_ms: int | None, cooldown_s: float, now_ms: int) -> bool:
@@ -196,82 +211,115 @@ def _msg_rate_in(sample: LoadSample | None) -> float:
     return sample.rates.msg_rate_in if sample is not None else 0.0
 
 
+def _over(rates: Rates, limits: Rates) -> bool:
+    """Any rate strictly above its limit (the cheap test before computing scores)."""
+    return (
+        rates.msg_rate_in > limits.msg_rate_in
+        or rates.byte_rate_in > limits.byte_rate_in
+        or rates.msg_rate_out > limits.msg_rate_out
+        or rates.byte_rate_out > limits.byte_rate_out
+    )
+
+
+def _by_id(segments: Sequence[Segment]) -> list[Segment]:
+    return sorted(segments, key=_segment_id)
+
+
+def _segment_id(segment: Segment) -> int:
+    return segment.segment_id
+
+
+def _too_narrow(ids: list[int], policy: PolicySettings, why: str) -> NoAction:
+    return NoAction(
+        "min-split-width",
+        f"segment(s) {ids} {why} but a split would leave children narrower than "
+        f"min_split_width ({policy.min_split_width}): likely a hot key",
+    )
+
+
 def _split_pass(
-    active: list[Segment],
+    active: Sequence[Segment],
     loads: Mapping[int, LoadSample],
     max_consumers: int,
     policy: PolicySettings,
 ) -> Split | NoAction | None:
     """A Split, a NoAction naming why a needed split is blocked, or None (nothing hot)."""
     n = len(active)
-    by_id = sorted(active, key=lambda s: s.segment_id)
-    too_narrow: list[int] = []
     if max_consumers > n:
         busiest: Segment | None = None
-        for seg in by_id:
+        narrow: list[int] = []
+        for seg in _by_id(active):
             if _fanout_cap(seg, policy, n) < 2:
-                too_narrow.append(seg.segment_id)
+                narrow.append(seg.segment_id)
             elif busiest is None or _msg_rate_in(loads.get(seg.segment_id)) > _msg_rate_in(
                 loads.get(busiest.segment_id)
             ):
                 busiest = seg
-        if busiest is not None:
-            k = min(_fanout_cap(busiest, policy, n), max(2, max_consumers - n + 1))
-            return Split(
-                busiest.segment_id,
-                equal_boundaries(busiest.hash_range, k),
-                "consumer-count",
-                f"a subscription has {max_consumers} consumers but only {n} segments are "
-                f"active; {k}-way split of the busiest segment {busiest.segment_id} "
-                f"({_msg_rate_in(loads.get(busiest.segment_id)):g} msg/s in)",
-            )
+        if busiest is None:
+            return _too_narrow(narrow, policy, f"are needed by {max_consumers} consumers")
+        k = min(_fanout_cap(busiest, policy, n), max(2, max_consumers - n + 1))
+        return Split(
+            busiest.segment_id,
+            equal_boundaries(busiest.hash_range, k),
+            "consumer-count",
+            f"a subscription has {max_consumers} consumers but only {n} segments are "
+            f"active; {k}-way split of the busiest segment {busiest.segment_id} "
+            f"({_msg_rate_in(loads.get(busiest.segment_id)):g} msg/s in)",
+        )
+    limits = policy.split_thresholds
+    s0, s1 = limits.msg_rate_in, limits.byte_rate_in
+    s2, s3 = limits.msg_rate_out, limits.byte_rate_out
+    hot = []
+    for seg in active:  # the hot path: _over() inlined
+        sample = loads.get(seg.segment_id)
+        if sample is not None:
+            r = sample.rates
+            if (
+                r.msg_rate_in > s0
+                or r.byte_rate_in > s1
+                or r.msg_rate_out > s2
+                or r.byte_rate_out > s3
+            ):
+                hot.append(seg)
+    if not hot:
+        return None
     best: Segment | None = None
     best_score, best_rate = 1.0, ""
     hot_but_narrow: list[int] = []
-    for seg in by_id:
-        sample = loads.get(seg.segment_id)
-        if sample is None:
-            continue
-        score, rate = split_score(sample.rates, policy.split_thresholds)
-        if score > 1.0 and _fanout_cap(seg, policy, n) < 2:
+    for seg in _by_id(hot):
+        score, rate = split_score(loads[seg.segment_id].rates, limits)
+        if _fanout_cap(seg, policy, n) < 2:
             hot_but_narrow.append(seg.segment_id)
         elif score > best_score:
             best, best_score, best_rate = seg, score, rate
-    if best is not None:
-        k = min(_fanout_cap(best, policy, n), max(2, math.ceil(best_score)))
-        attr = _RATE_FIELDS[RATE_NAMES.index(best_rate)]
-        sample = loads[best.segment_id]
-        return Split(
-            best.segment_id,
-            equal_boundaries(best.hash_range, k),
-            best_rate,
-            f"segment {best.segment_id} {best_rate} {getattr(sample.rates, attr):g}/s is "
-            f"{best_score:.2f}x the split threshold "
-            f"{getattr(policy.split_thresholds, attr):g}/s; {k}-way split",
-        )
-    if hot_but_narrow:
-        return NoAction(
-            "min-split-width",
-            f"segment(s) {hot_but_narrow} are over a split threshold but narrower than "
-            f"2 x min_split_width ({policy.min_split_width}): likely a hot key",
-        )
-    return None
+    if best is None:
+        return _too_narrow(hot_but_narrow, policy, "are over a split threshold")
+    k = min(_fanout_cap(best, policy, n), max(2, math.ceil(best_score)))
+    attr = _RATE_FIELDS[RATE_NAMES.index(best_rate)]
+    return Split(
+        best.segment_id,
+        equal_boundaries(best.hash_range, k),
+        best_rate,
+        f"segment {best.segment_id} {best_rate} "
+        f"{getattr(loads[best.segment_id].rates, attr):g}/s is "
+        f"{best_score:.2f}x the split threshold {getattr(limits, attr):g}/s; {k}-way split",
+    )
 
 
 def _hot_segments(
-    active: list[Segment],
+    active: Sequence[Segment],
     loads: Mapping[int, LoadSample],
     max_consumers: int,
     policy: PolicySettings,
 ) -> list[int]:
     if max_consumers > len(active):
         return [s.segment_id for s in active]
-    hot = []
-    for seg in active:
-        sample = loads.get(seg.segment_id)
-        if sample is not None and split_score(sample.rates, policy.split_thresholds)[0] > 1.0:
-            hot.append(seg.segment_id)
-    return sorted(hot)
+    limits = policy.split_thresholds
+    return sorted(
+        seg.segment_id
+        for seg in active
+        if (sample := loads.get(seg.segment_id)) is not None and _over(sample.rates, limits)
+    )
 
 
 def _combined_ok(a: Rates, b: Rates, policy: PolicySettings) -> bool:
@@ -286,22 +334,56 @@ def _combined_ok(a: Rates, b: Rates, policy: PolicySettings) -> bool:
     )
 
 
+def _cold_flags(
+    active: Sequence[Segment],
+    loads: Mapping[int, LoadSample],
+    policy: PolicySettings,
+    now_ms: int,
+) -> list[bool]:
+    """``is_cold`` for every active segment, inlined: this loop is the policy's hot path.
+
+    The cheapest test that usually fails (msg rate in) runs first.
+    """
+    m = policy.merge_thresholds
+    m0, m1, m2, m3 = m.msg_rate_in, m.byte_rate_in, m.msg_rate_out, m.byte_rate_out
+    window_ms = policy.merge_window_seconds * 1000.0
+    ttl_ms = policy.load_ttl_seconds * 1000.0
+    flags = []
+    for seg in active:
+        sample = loads.get(seg.segment_id)
+        if sample is None:
+            flags.append(False)
+            continue
+        r = sample.rates
+        since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
+        sampled = sample.sampled_at_ms
+        flags.append(
+            r.msg_rate_in < m0
+            and r.byte_rate_in < m1
+            and r.msg_rate_out < m2
+            and r.byte_rate_out < m3
+            and now_ms - since >= window_ms
+            and not (ttl_ms > 0 and sampled is not None and now_ms - sampled > ttl_ms)
+        )
+    return flags
+
+
 def _merge_pass(
     layout: Layout,
-    active: list[Segment],
+    active: Sequence[Segment],
     loads: Mapping[int, LoadSample],
     policy: PolicySettings,
     now_ms: int,
 ) -> Merge | None:
-    cold = [is_cold(loads.get(s.segment_id), policy, now_ms) for s in active]
-    depths: dict[int, int] | None = None
+    cold = _cold_flags(active, loads, policy, now_ms)
+    depths: MergeDepths | None = None
     best: tuple[float, int, int] | None = None
     for i in range(len(active) - 1):
         if not (cold[i] and cold[i + 1]):
             continue
         a, b = active[i], active[i + 1]
         if depths is None:
-            depths = merge_depths(layout.segments)
+            depths = MergeDepths(layout.segments)
         if depths[a.segment_id] >= policy.max_dag_depth:
             continue
         if depths[b.segment_id] >= policy.max_dag_depth:

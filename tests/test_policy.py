@@ -416,3 +416,26 @@ def test_invalid_override_disables_the_topic_with_a_reason(override: dict[str, o
 def test_unknown_override_fields_are_ignored_and_disable_works() -> None:
     resolved = resolve_policy(OURS, {"somethingNew": 1, "enabled": False})
     assert isinstance(resolved, PolicySettings) and not resolved.enabled
+
+
+# --- overrides that once crashed (found by the property tests) ------------------------------
+
+
+@pytest.mark.parametrize(
+    "override",
+    [{"maxSplitFanout": 4.0}, {"minSplitWidth": 1024.0}, {"maxSegments": 32.0}],
+)
+def test_integral_floats_become_ints(override: dict[str, object]) -> None:
+    resolved = resolve_policy(OURS, override)
+    assert isinstance(resolved, PolicySettings)
+    d = decide(layout_of(16), {0: sample(1e5)}, {}, resolved, NOW)
+    assert isinstance(d, Split)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["splitCooldownSeconds", "splitMsgRateInThreshold", "maxSegments", "mergeCombinedMaxRatio"],
+)
+def test_huge_numbers_are_invalid_not_a_crash(key: str) -> None:
+    resolved = resolve_policy(OURS, {key: 10**400})
+    assert isinstance(resolved, PolicyInvalid) and "out of range" in resolved.detail

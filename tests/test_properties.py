@@ -1,0 +1,597 @@
+"""Property tests for the pure core: layout operations, JSON codecs, decide, resolve_policy.
+
+Layouts are only built by random splits, merges and GC-selected prunes from
+``initial_layout``, so every property is about layouts the daemon can reach.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, TypeVar
+
+import pytest
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+from controllerd import gc
+from controllerd.layout import (
+    LayoutError,
+    apply,
+    equal_boundaries,
+    initial_layout,
+    merge,
+    merge_depths,
+    prune,
+    split,
+    violations,
+)
+from controllerd.model import (
+    HASH_MAX,
+    RATE_NAMES,
+    Decision,
+    HashRange,
+    Layout,
+    LoadSample,
+    Merge,
+    NoAction,
+    PolicySettings,
+    Rates,
+    Split,
+    layout_from_json,
+    layout_to_json,
+)
+from controllerd.policy import PolicyInvalid, decide, is_stale, resolve_policy, split_score
+
+NOW0: Final = 1_760_000_000_000
+DEFAULT: Final = PolicySettings()
+FAST: Final = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+T = TypeVar("T")
+
+
+class Draw(Protocol):
+    """Both ``@st.composite``'s ``draw`` and ``st.data().draw``."""
+
+    def __call__(self, strategy: st.SearchStrategy[T], label: object = ...) -> T: ...
+
+
+# --- layouts reachable by operations -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str
+    layout: Layout
+    split_id: int = -1
+    k: int = 0
+    merged: tuple[int, int] = (-1, -1)
+    wanted: frozenset[int] = frozenset()
+    pruned: tuple[int, ...] = ()
+
+
+def adjacent_pairs(lay: Layout) -> list[tuple[int, int]]:
+    active = lay.active_segments()
+    return [(a.segment_id, b.segment_id) for a, b in itertools.pairwise(active)]
+
+
+def sealed_ids(lay: Layout) -> list[int]:
+    return sorted(s.segment_id for s in lay.segments.values() if not s.active)
+
+
+def draw_boundaries(draw: Draw, rng: HashRange) -> tuple[int, ...] | None:
+    kind = draw(st.sampled_from(["midpoint", "random", "equal"]))
+    if kind == "midpoint":
+        return None
+    if kind == "equal":
+        return equal_boundaries(rng, draw(st.integers(2, min(8, rng.width))))
+    picks = draw(
+        st.sets(st.integers(rng.start + 1, rng.end), min_size=1, max_size=min(7, rng.width - 1))
+    )
+    return tuple(sorted(picks))
+
+
+def draw_step(draw: Draw, lay: Layout, now_ms: int) -> Step:
+    """One random valid operation; prunes go through ``gc.select`` like the daemon's GC."""
+    splittable = [s for s in lay.active_segments() if s.hash_range.width >= 2]
+    pairs = adjacent_pairs(lay)
+    sealed = sealed_ids(lay)
+    kinds = [k for k, ok in (("split", splittable), ("merge", pairs), ("prune", sealed)) if ok]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "split":
+        seg = draw(st.sampled_from(splittable))
+        bounds = draw_boundaries(draw, seg.hash_range)
+        k = 2 if bounds is None else len(bounds) + 1
+        new = split(lay, seg.segment_id, bounds, now_ms=now_ms)
+        return Step(kind, new, split_id=seg.segment_id, k=k)
+    if kind == "merge":
+        a, b = draw(st.sampled_from(pairs))
+        if draw(st.booleans()):
+            a, b = b, a
+        return Step(kind, merge(lay, a, b, now_ms=now_ms), merged=(a, b))
+    roots = [
+        sid for sid in sealed if not any(p in lay.segments for p in lay.segments[sid].parent_ids)
+    ]
+    wanted = draw(st.sets(st.sampled_from(sealed))) | {draw(st.sampled_from(roots))}
+    verdicts = {
+        sid: gc.Verdict(sid, sid in wanted, "drained" if sid in wanted else "backlog")
+        for sid in lay.segments
+    }
+    chosen = tuple(gc.select(lay, verdicts))
+    return Step(kind, prune(lay, chosen), wanted=frozenset(wanted), pruned=chosen)
+
+
+@st.composite
+def reachable(draw: st.DrawFn, max_ops: int = 12) -> tuple[Layout, int]:
+    """A layout reached from ``initial_layout(1..8)`` and the clock after its last operation."""
+    now = NOW0
+    lay = initial_layout(draw(st.integers(1, 8)), now_ms=now)
+    for _ in range(draw(st.integers(0, max_ops))):
+        now += draw(st.integers(1, 120_000))
+        lay = draw_step(draw, lay, now).layout
+    return lay, now
+
+
+# --- 1. operations keep the invariants ----------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data(), st.integers(1, 8))
+def test_random_operations_keep_invariants(data: st.DataObject, n: int) -> None:
+    now = NOW0
+    lay = initial_layout(n, now_ms=now)
+    assert violations(lay) == []
+    ever_seen = set(lay.segments)
+    gone: set[int] = set()
+    for _ in range(data.draw(st.integers(1, 30), label="ops")):
+        now += data.draw(st.integers(1, 120_000))
+        before_json, before_segments = layout_to_json(lay), dict(lay.segments)
+        step = draw_step(data.draw, lay, now)
+        new = step.layout
+        assert layout_to_json(lay) == before_json
+        assert dict(lay.segments) == before_segments
+        assert violations(new) == []
+        assert new.epoch == lay.epoch + 1
+        assert new.next_segment_id >= lay.next_segment_id
+        created = set(new.segments) - set(lay.segments)
+        removed = set(lay.segments) - set(new.segments)
+        assert not created & ever_seen, "a segment id was reused"
+        assert all(lay.next_segment_id <= sid < new.next_segment_id for sid in created)
+        if step.kind == "split":
+            assert len(created) == step.k and not removed
+            assert not new.segments[step.split_id].active
+            assert new.segments[step.split_id].child_ids == tuple(sorted(created))
+        elif step.kind == "merge":
+            assert len(created) == 1 and not removed
+            (child,) = created
+            assert set(new.segments[child].parent_ids) == set(step.merged)
+        else:
+            assert not created
+            assert removed == set(step.pruned)
+            assert set(step.pruned) <= step.wanted
+            assert all(not lay.segments[sid].active for sid in step.pruned)
+            assert step.pruned, "the oldest wanted root is always prunable"
+        gone |= removed
+        ever_seen |= created
+        assert not gone & set(new.segments)
+        lay = new
+
+
+# --- 2. JSON round trip -------------------------------------------------------------------
+
+JSON_SCALARS: Final = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**53), 2**53),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+
+
+@FAST
+@given(
+    reachable(max_ops=15),
+    st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=3),
+    st.none() | st.dictionaries(st.text(max_size=12), JSON_SCALARS, max_size=4),
+)
+def test_json_round_trip(
+    built: tuple[Layout, int], props: dict[str, str], policy: dict[str, Any] | None
+) -> None:
+    lay = dataclasses.replace(built[0], properties=props, auto_scale_policy=policy)
+    as_json = layout_to_json(lay)
+    assert layout_from_json(as_json) == lay
+    assert layout_from_json(json.loads(json.dumps(as_json))) == lay
+    assert layout_to_json(layout_from_json(json.loads(json.dumps(as_json)))) == as_json
+
+
+# --- 3. invalid operations raise ----------------------------------------------------------
+
+
+def expect_error(code: str, lay: Layout, op: Any, *args: Any, **kwargs: Any) -> None:
+    before = layout_to_json(lay)
+    with pytest.raises(LayoutError) as info:
+        op(lay, *args, **kwargs)
+    assert info.value.code == code, str(info.value)
+    assert layout_to_json(lay) == before
+
+
+@st.composite
+def bad_boundaries(draw: st.DrawFn, rng: HashRange) -> tuple[int, ...]:
+    """Boundaries that are empty, outside ``(start, end]``, or not strictly ascending."""
+    inside = st.integers(rng.start + 1, rng.end) if rng.width >= 2 else st.just(rng.end)
+    outside = st.integers(-5, rng.start) | st.integers(rng.end + 1, HASH_MAX + 5)
+    kind = draw(st.sampled_from(["empty", "outside", "repeat", "descending"]))
+    if kind == "empty" or (kind != "outside" and rng.width < 3):
+        return () if kind == "empty" else (draw(outside),)
+    if kind == "outside":
+        good = draw(st.lists(inside, max_size=3))
+        return (*good[:1], draw(outside), *good[1:])
+    if kind == "repeat":
+        b = draw(inside)
+        return (b, b)
+    lo, hi = draw(st.lists(inside, min_size=2, max_size=2, unique=True).map(sorted))
+    return (hi, lo)
+
+
+@FAST
+@given(reachable(max_ops=15), st.data())
+def test_invalid_operations_raise(built: tuple[Layout, int], data: st.DataObject) -> None:
+    lay, now = built
+    active = lay.active_segments()
+    sealed = sealed_ids(lay)
+    if sealed:
+        sid = data.draw(st.sampled_from(sealed))
+        expect_error("not-active", lay, split, sid, None, now_ms=now)
+        expect_error("not-active", lay, split, sid, (lay.segments[sid].hash_range.end,), now_ms=now)
+    expect_error("not-found", lay, split, lay.next_segment_id, None, now_ms=now)
+    expect_error("not-found", lay, prune, [lay.next_segment_id])
+
+    seg = data.draw(st.sampled_from(active))
+    bounds = data.draw(bad_boundaries(seg.hash_range))
+    expect_error("bad-boundaries", lay, split, seg.segment_id, bounds, now_ms=now)
+    if seg.hash_range.width == 1:
+        expect_error("bad-boundaries", lay, split, seg.segment_id, None, now_ms=now)
+    expect_error("not-active", lay, prune, [seg.segment_id])
+    expect_error("not-active", lay, prune, [*sealed, seg.segment_id])
+
+    adjacent = {frozenset(p) for p in adjacent_pairs(lay)}
+    a, b = data.draw(st.sampled_from(active)), data.draw(st.sampled_from(active))
+    if frozenset((a.segment_id, b.segment_id)) not in adjacent:
+        expect_error("not-adjacent", lay, merge, a.segment_id, b.segment_id, now_ms=now)
+
+    # A sealed segment whose parent stays: split something, then split one of its children.
+    wide = [s for s in active if s.hash_range.width >= 4]
+    assume(wide)
+    parent = data.draw(st.sampled_from(wide))
+    grown = split(lay, parent.segment_id, None, now_ms=now + 1)
+    child = grown.segments[parent.segment_id].child_ids[0]
+    grown = split(grown, child, None, now_ms=now + 2)
+    expect_error("parent-present", grown, prune, [child])
+
+
+# --- 4. decide proposes only valid operations ---------------------------------------------
+
+
+@st.composite
+def policies(draw: st.DrawFn, merge_friendly: bool = False) -> PolicySettings:
+    """Random valid settings, thresholds scaled around Pulsar's defaults.
+
+    ``merge_friendly`` makes the settings that rule out any merge (min_segments
+    near the active count, depth 0, zero merge thresholds) rare.
+    """
+    min_segments = draw(st.integers(1, 2) if merge_friendly else st.integers(1, 8))
+    factor = draw(st.sampled_from([0.5, 1.0, 2.0]))
+    split_t = Rates(*(v * factor for v in DEFAULT.split_thresholds.as_tuple()))
+    fractions = [0.05, 0.1, 0.5, 0.9] * (4 if merge_friendly else 1)
+    merge_fraction = draw(st.sampled_from([*fractions, 0.0]))
+    merge_t = Rates(*(v * merge_fraction for v in split_t.as_tuple()))
+    policy = PolicySettings(
+        enabled=True,
+        min_segments=min_segments,
+        max_segments=draw(st.integers(min_segments, 48)),
+        max_dag_depth=draw(st.integers(0, 4) | st.integers(1, 20)),
+        max_split_fanout=draw(st.integers(2, 8)),
+        split_cooldown_seconds=draw(st.sampled_from([0.0, 60.0, 600.0])),
+        merge_cooldown_seconds=draw(st.sampled_from([0.0, 300.0, 1200.0])),
+        merge_window_seconds=draw(st.sampled_from([0.0, 60.0, 300.0, 900.0])),
+        load_ttl_seconds=draw(st.sampled_from([0.0, 60.0, 300.0, 900.0])),
+        min_split_width=draw(st.sampled_from([1, 2, 64, 256, 4096, 32768]) | st.integers(1, 2048)),
+        merge_combined_max_ratio=draw(st.sampled_from([0.05, 0.5, 0.8, 1.0, 3.0, math.inf])),
+        split_thresholds=split_t,
+        merge_thresholds=merge_t,
+    )
+    assert policy.errors() == []
+    return policy
+
+
+def draw_rates(draw: Draw, policy: PolicySettings, mode: str) -> Rates:
+    if mode == "cold":
+        limits = policy.merge_thresholds.as_tuple()
+        return Rates(*(draw(st.floats(0, 1, exclude_max=True)) * t for t in limits))
+    limits = policy.split_thresholds.as_tuple()
+    return Rates(*(draw(st.floats(0, 3)) * t for t in limits))
+
+
+AGO: Final = st.integers(-60_000, 2_000_000)
+"""Offsets before ``now`` in ms, a few in the future (clock skew)."""
+
+
+def draw_sample(draw: Draw, policy: PolicySettings, now: int, cold_bias: bool) -> LoadSample:
+    modes = ["cold"] * 19 + ["any"] if cold_bias else ["cold", "any"]
+    rates = draw_rates(draw, policy, draw(st.sampled_from(modes)))
+    recent = st.integers(-1_000, 60_000) if cold_bias else AGO
+    long_ago = st.integers(900_000, 5_000_000) | AGO if cold_bias else AGO
+    sampled = draw(st.none() | recent.map(lambda ago: now - ago) | AGO.map(lambda ago: now - ago))
+    cold_since = draw(st.none() | long_ago.map(lambda ago: now - ago))
+    return LoadSample(rates, now - draw(long_ago), sampled, cold_since)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    layout: Layout
+    loads: dict[int, LoadSample]
+    consumers: dict[str, int]
+    policy: PolicySettings
+    now_ms: int
+    last_split_ms: int | None
+    last_merge_ms: int | None
+
+    def decide(
+        self,
+        loads: Mapping[int, LoadSample] | None = None,
+        consumers: Mapping[str, int] | None = None,
+    ) -> Decision:
+        return decide(
+            self.layout,
+            self.loads if loads is None else loads,
+            self.consumers if consumers is None else consumers,
+            self.policy,
+            self.now_ms,
+            self.last_split_ms,
+            self.last_merge_ms,
+        )
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, cold_bias: bool = False) -> Scenario:
+    lay, built_at = draw(reachable())
+    now = built_at + draw(st.integers(0, 3_000_000))
+    policy = draw(policies(merge_friendly=cold_bias))
+    loads: dict[int, LoadSample] = {}
+    for sid in sorted(lay.segments):
+        present = lay.segments[sid].active and draw(st.integers(0, 9)) > 0
+        if present or draw(st.integers(0, 9)) == 0:
+            loads[sid] = draw_sample(draw, policy, now, cold_bias)
+    consumers = draw(
+        st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(0, 40), max_size=3)
+        if not cold_bias
+        else st.just({})
+    )
+    stamp = st.none() | st.just(-1) | AGO.map(lambda ago: now - ago)
+    if cold_bias:
+        stamp = st.sampled_from([None, None, -1, now - 10**7]) | stamp
+    return Scenario(lay, loads, consumers, policy, now, draw(stamp), draw(stamp))
+
+
+def within(stamp: int | None, cooldown_s: float, now_ms: int) -> bool:
+    return stamp is not None and stamp >= 0 and now_ms - stamp < cooldown_s * 1000.0
+
+
+def assert_merge_justified(sc: Scenario, decision: Merge) -> None:
+    """DESIGN §6.3 and §8: a merge needs fresh, cold-for-the-window samples on both sides."""
+    policy, now = sc.policy, sc.now_ms
+    a, b = sc.layout.segments[decision.a], sc.layout.segments[decision.b]
+    assert a.active and b.active
+    assert a.hash_range.end + 1 == b.hash_range.start
+    assert len(sc.layout.active_segments()) - 1 >= policy.min_segments
+    assert not within(sc.last_merge_ms, policy.merge_cooldown_seconds, now)
+    depths = merge_depths(sc.layout.segments)
+    combined = [0.0] * 4
+    for seg in (a, b):
+        assert depths[seg.segment_id] < policy.max_dag_depth
+        sample = sc.loads.get(seg.segment_id)
+        assert sample is not None, f"merge on missing load of {seg.segment_id}"
+        assert not is_stale(sample, policy, now), f"merge on stale load of {seg.segment_id}"
+        for rate, limit in zip(
+            sample.rates.as_tuple(), policy.merge_thresholds.as_tuple(), strict=True
+        ):
+            assert rate < limit
+        since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
+        assert now - since >= policy.merge_window_seconds * 1000.0
+        combined = [c + r for c, r in zip(combined, sample.rates.as_tuple(), strict=True)]
+    if not math.isinf(policy.merge_combined_max_ratio):
+        for total, limit in zip(combined, policy.split_thresholds.as_tuple(), strict=True):
+            assert total < policy.merge_combined_max_ratio * limit
+
+
+def assert_split_justified(sc: Scenario, decision: Split) -> None:
+    policy, now = sc.policy, sc.now_ms
+    n = len(sc.layout.active_segments())
+    seg = sc.layout.segments[decision.segment_id]
+    k = len(decision.boundaries) + 1
+    assert seg.active
+    assert 2 <= k <= policy.max_split_fanout
+    assert n - 1 + k <= policy.max_segments
+    assert not within(sc.last_split_ms, policy.split_cooldown_seconds, now)
+    starts = (seg.hash_range.start, *decision.boundaries)
+    ends = (*(b - 1 for b in decision.boundaries), seg.hash_range.end)
+    assert all(e - s + 1 >= policy.min_split_width for s, e in zip(starts, ends, strict=True))
+    if decision.reason == "consumer-count":
+        assert max(sc.consumers.values()) > n
+    else:
+        assert decision.reason in RATE_NAMES
+        sample = sc.loads[decision.segment_id]
+        assert split_score(sample.rates, policy.split_thresholds)[0] > 1.0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_decide_proposes_only_valid_operations(sc: Scenario) -> None:
+    before = layout_to_json(sc.layout)
+    decision = sc.decide()
+    event(f"{decision.action}/{decision.reason}")
+    assert layout_to_json(sc.layout) == before
+    new = apply(sc.layout, decision, now_ms=sc.now_ms + 1)
+    assert violations(new) == []
+    if isinstance(decision, Split):
+        assert_split_justified(sc, decision)
+        assert len(new.active_segments()) <= sc.policy.max_segments
+    elif isinstance(decision, Merge):
+        assert_merge_justified(sc, decision)
+        assert len(new.active_segments()) >= sc.policy.min_segments
+    else:
+        assert new is sc.layout
+
+
+# --- 5. no merge on stale or missing load -------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(cold_bias=True))
+def test_merge_only_on_fresh_cold_load(sc: Scenario) -> None:
+    decision = sc.decide()
+    event(f"{decision.action}/{decision.reason}")
+    if isinstance(decision, Merge):
+        assert_merge_justified(sc, decision)
+
+
+@FAST
+@given(reachable(), st.data())
+def test_no_merge_when_one_side_of_every_pair_is_missing_or_stale(
+    built: tuple[Layout, int], data: st.DataObject
+) -> None:
+    lay, now = built
+    active = lay.active_segments()
+    assume(len(active) >= 2)
+    now += 10_000_000
+    policy = PolicySettings(
+        max_segments=max(64, len(active)),
+        max_dag_depth=1_000,
+        merge_combined_max_ratio=math.inf,
+        load_ttl_seconds=data.draw(st.sampled_from([60.0, 900.0])),
+    )
+    ttl_ms, window_ms = int(policy.load_ttl_seconds * 1000), int(policy.merge_window_seconds * 1000)
+
+    def cold_sample(sampled_ago: int) -> LoadSample:
+        rates = draw_rates(data.draw, policy, "cold")
+        since = now - window_ms - data.draw(st.integers(0, 10_000_000))
+        cold_since = data.draw(st.none() | st.just(since))
+        return LoadSample(rates, since, now - sampled_ago, cold_since)
+
+    fresh = {s.segment_id: cold_sample(data.draw(st.integers(0, ttl_ms))) for s in active}
+    # Control: with every sample fresh and cold, the topic does merge.
+    assert isinstance(decide(lay, fresh, {}, policy, now), Merge)
+
+    offset = data.draw(st.integers(0, 1))
+    poisoned = dict(fresh)
+    for i, seg in enumerate(active):
+        if i % 2 == offset:
+            if data.draw(st.booleans()):
+                del poisoned[seg.segment_id]
+            else:
+                poisoned[seg.segment_id] = cold_sample(ttl_ms + data.draw(st.integers(1, 10**7)))
+    for left, right in itertools.pairwise(active):
+        pair = (poisoned.get(left.segment_id), poisoned.get(right.segment_id))
+        assert any(s is None or is_stale(s, policy, now) for s in pair)
+    decision = decide(lay, poisoned, {}, policy, now)
+    assert not isinstance(decision, Merge), decision
+
+
+# --- 6. determinism -----------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.data())
+def test_decide_ignores_dict_order(sc: Scenario, data: st.DataObject) -> None:
+    first = sc.decide()
+    assert sc.decide() == first
+    loads = dict(data.draw(st.permutations(list(sc.loads.items()))))
+    consumers = dict(data.draw(st.permutations(list(sc.consumers.items()))))
+    segments = dict(data.draw(st.permutations(list(sc.layout.segments.items()))))
+    assert sc.decide(loads, consumers) == first
+    shuffled = dataclasses.replace(sc, layout=dataclasses.replace(sc.layout, segments=segments))
+    assert shuffled.decide(loads, consumers) == first
+
+
+# --- 7. resolve_policy --------------------------------------------------------------------
+
+OVERRIDE_KEYS: Final = (
+    "enabled",
+    "minSegments",
+    "maxSegments",
+    "maxDagDepth",
+    "splitCooldownSeconds",
+    "mergeCooldownSeconds",
+    "mergeWindowSeconds",
+    "splitMsgRateInThreshold",
+    "splitBytesRateInThreshold",
+    "splitMsgRateOutThreshold",
+    "splitBytesRateOutThreshold",
+    "mergeMsgRateInThreshold",
+    "mergeBytesRateInThreshold",
+    "mergeMsgRateOutThreshold",
+    "mergeBytesRateOutThreshold",
+    "maxSplitFanout",
+    "minSplitWidth",
+    "loadTtlSeconds",
+    "mergeCombinedMaxRatio",
+)
+SIMPLE_FIELDS: Final = {
+    "enabled": "enabled",
+    "minSegments": "min_segments",
+    "maxSegments": "max_segments",
+    "maxDagDepth": "max_dag_depth",
+    "splitCooldownSeconds": "split_cooldown_seconds",
+    "mergeCooldownSeconds": "merge_cooldown_seconds",
+    "mergeWindowSeconds": "merge_window_seconds",
+    "maxSplitFanout": "max_split_fanout",
+    "minSplitWidth": "min_split_width",
+    "loadTtlSeconds": "load_ttl_seconds",
+    "mergeCombinedMaxRatio": "merge_combined_max_ratio",
+}
+OVERRIDE_VALUES: Final = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 70),
+    st.integers(-(2**60), 2**60),
+    st.sampled_from([0.0, 0.5, 1.0, 2.0, 8.0, 256.0, 1e12, -1.0, math.inf, -math.inf, math.nan]),
+    st.floats(),
+    st.text(max_size=4),
+    st.lists(st.integers(), max_size=2),
+)
+OVERRIDES: Final = st.none() | st.dictionaries(
+    st.sampled_from(OVERRIDE_KEYS) | st.text(max_size=6), OVERRIDE_VALUES, max_size=6
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(OVERRIDES, max_size=3))
+def test_resolve_policy_is_valid_or_invalid(overrides: list[dict[str, Any] | None]) -> None:
+    resolved = resolve_policy(DEFAULT, *overrides)
+    event(type(resolved).__name__)
+    if isinstance(resolved, PolicyInvalid):
+        assert resolved.detail
+        return
+    assert resolved.errors() == []
+    for key, attr in SIMPLE_FIELDS.items():
+        given_values = [o[key] for o in overrides if o and o.get(key) is not None]
+        expected = given_values[-1] if given_values else getattr(DEFAULT, attr)
+        assert getattr(resolved, attr) == expected, key
+
+
+@FAST
+@given(scenarios(), st.text(min_size=1, max_size=20))
+def test_decide_with_invalid_policy_never_acts(sc: Scenario, detail: str) -> None:
+    decision = decide(
+        sc.layout, sc.loads, sc.consumers, PolicyInvalid(detail), sc.now_ms,
+        sc.last_split_ms, sc.last_merge_ms,
+    )
+    assert isinstance(decision, NoAction)
+    assert decision.reason == "policy-invalid"
+
+

@@ -1,0 +1,144 @@
+"""The metadata view: key parsing, triggers, and malformed values skipped, never fatal."""
+
+from __future__ import annotations
+
+import json
+
+from controllerd.layout import initial_layout, split
+from controllerd.model import TopicName, layout_to_json
+from controllerd.view import Change, Cooldown, Keys, MetadataView, Rejected, seeded_cooldown
+
+KEYS = Keys("/pulsar", "/controllerd/default")
+T = TopicName("acme", "ns", "orders")
+NOW = 1_760_000_000_000
+
+
+def layout_bytes(n: int = 2) -> bytes:
+    return json.dumps(layout_to_json(initial_layout(n))).encode()
+
+
+def load_bytes(msg_in: float = 5.0, **extra: int) -> bytes:
+    return json.dumps(
+        {"msgRateIn": msg_in, "byteRateIn": 1, "msgRateOut": 1, "byteRateOut": 1, **extra}
+    ).encode()
+
+
+def fresh() -> MetadataView:
+    view = MetadataView(KEYS)
+    assert view.apply_put(KEYS.layout(T), layout_bytes(), 10, NOW) == Change("layout", T, True)
+    return view
+
+
+def test_keys_follow_the_design() -> None:
+    assert KEYS.layout(T) == "/pulsar/topics/acme/ns/orders"
+    assert (
+        KEYS.consumer(T, "s", "c1") == "/pulsar/topics/acme/ns/orders/subscriptions/s/consumers/c1"
+    )
+    assert KEYS.load(T, 3) == "/pulsar/topics/acme/ns/orders/segments/3/load"
+    assert KEYS.leader == "/controllerd/default/leader"
+    assert KEYS.cooldown(T) == "/controllerd/default/cooldowns/acme/ns/orders"
+    assert KEYS.cold_since(T, 4) == "/controllerd/default/cold-since/acme/ns/orders/4"
+    assert KEYS.policy("acme", "ns") == "/controllerd/default/policies/acme/ns"
+    assert KEYS.pending_delete(T, "0000-7fff-1") == (
+        "/controllerd/default/pending-deletes/acme/ns/orders/0000-7fff-1"
+    )
+
+
+def test_consumer_registration_triggers_and_counts_per_subscription() -> None:
+    view = fresh()
+    view.apply_put(KEYS.subscription(T, "s"), b'{"type": "STREAM"}', 11, NOW)
+    view.apply_put(KEYS.subscription(T, "q"), b'{"type": "QUEUE"}', 12, NOW)
+    out = view.apply_put(KEYS.consumer(T, "s", "c1"), b"{}", 13, NOW)
+    assert out == Change("consumer", T, True)
+    # the same registration again (lease refresh) is not a new consumer
+    assert view.apply_put(KEYS.consumer(T, "s", "c1"), b"{}", 14, NOW) == Change(
+        "consumer", T, False
+    )
+    view.apply_put(KEYS.consumer(T, "s", "c2"), b"", 15, NOW)
+    for i in range(5):
+        view.apply_put(KEYS.consumer(T, "q", f"w{i}"), b"", 16 + i, NOW)
+    # a consumer of a subscription whose key we have not seen counts as STREAM
+    view.apply_put(KEYS.consumer(T, "unknown", "c"), b"", 30, NOW)
+    assert view.topics[T].consumer_counts() == {"s": 2, "unknown": 1}
+    assert view.apply_delete(KEYS.consumer(T, "s", "c1")) == Change("consumer", T, True)
+    assert view.topics[T].consumer_counts()["s"] == 1
+
+
+def test_load_records_parse_and_fall_back_to_first_seen() -> None:
+    view = fresh()
+    assert view.apply_put(KEYS.load(T, 0), load_bytes(changedAtMs=5), 20, NOW) == Change(
+        "load", T, True
+    )
+    assert view.topics[T].loads[0].changed_at_ms == 5
+    # plain Pulsar record without timestamps: first time this mod revision was seen
+    view.apply_put(KEYS.load(T, 1), load_bytes(), 21, NOW + 1)
+    view.apply_put(KEYS.load(T, 1), load_bytes(), 21, NOW + 99)  # same revision, replayed
+    assert view.topics[T].loads[1].changed_at_ms == NOW + 1
+    view.apply_put(KEYS.load(T, 1), load_bytes(), 22, NOW + 500)
+    assert view.topics[T].loads[1].changed_at_ms == NOW + 500
+
+
+def test_malformed_values_are_rejected_not_raised() -> None:
+    view = fresh()
+    bad_load = view.apply_put(KEYS.load(T, 0), b'{"msgRateIn": "hot"}', 21, NOW)
+    assert isinstance(bad_load, Rejected) and bad_load.kind == "load"
+    assert isinstance(view.apply_put(KEYS.load(T, 0), b"\xff\xfe", 22, NOW), Rejected)
+    assert isinstance(view.apply_put(KEYS.load(T, 0) + "x", b"{}", 22, NOW), type(None))
+    bad_sub = view.apply_put(KEYS.subscription(T, "s"), b'{"type": "FANOUT"}', 23, NOW)
+    assert isinstance(bad_sub, Rejected) and bad_sub.kind == "subscription"
+    assert isinstance(view.apply_put(KEYS.policy("acme"), b"[1]", 24, NOW), Rejected)
+    assert isinstance(view.apply_put(KEYS.cooldown(T), b"nope", 25, NOW), Rejected)
+    # keys that are not ours or do not parse are ignored
+    assert view.apply_put("/pulsar/topics/onlytwo/parts", b"{}", 26, NOW) is None
+    assert view.apply_put("/elsewhere/x", b"{}", 27, NOW) is None
+
+
+def test_malformed_or_invalid_layout_disables_the_topic_until_fixed() -> None:
+    view = fresh()
+    out = view.apply_put(KEYS.layout(T), b"{not json", 30, NOW)
+    assert isinstance(out, Rejected) and out.kind == "layout"
+    assert view.topics[T].layout is None and view.topics[T].layout_error
+    broken = layout_to_json(initial_layout(2))
+    broken["segments"]["1"]["hashRange"]["end"] = 0xFFFE  # leaves a gap
+    out = view.apply_put(KEYS.layout(T), json.dumps(broken).encode(), 31, NOW)
+    assert isinstance(out, Rejected) and "tile" in out.reason
+    view.apply_put(KEYS.layout(T), layout_bytes(), 32, NOW)
+    assert view.topics[T].layout is not None and view.topics[T].layout_revision == 32
+
+
+def test_layout_update_forgets_loads_and_cold_since_of_pruned_segments() -> None:
+    view = fresh()
+    view.apply_put(KEYS.load(T, 0), load_bytes(changedAtMs=1), 40, NOW)
+    view.apply_put(KEYS.cold_since(T, 0), b"1", 41, NOW)
+    assert view.topics[T].cold_since == {0: 1}
+    lay = split(initial_layout(2), 0, now_ms=5)
+    pruned = {**layout_to_json(lay)}
+    del pruned["segments"]["0"]
+    for child in ("2", "3"):
+        pruned["segments"][child]["parentIds"] = []
+    view.apply_put(KEYS.layout(T), json.dumps(pruned).encode(), 42, NOW)
+    assert 0 not in view.topics[T].loads and 0 not in view.topics[T].cold_since
+
+
+def test_overrides_cooldowns_and_deletes() -> None:
+    view = fresh()
+    assert view.apply_put(KEYS.policy("acme"), b'{"maxSegments": 8}', 50, NOW) == Change(
+        "policy", None, True
+    )
+    view.apply_put(KEYS.policy("acme", "ns"), b'{"maxSegments": 4}', 51, NOW)
+    assert view.overrides_for(T) == ({"maxSegments": 8}, {"maxSegments": 4})
+    view.apply_put(KEYS.cooldown(T), b'{"lastSplitAtMs": 7, "lastMergeAtMs": -1}', 52, NOW)
+    assert view.topics[T].effective_cooldown() == Cooldown(7, -1)
+    view.apply_delete(KEYS.cooldown(T))
+    assert view.topics[T].cooldown is None
+    view.apply_delete(KEYS.policy("acme"))
+    assert view.overrides_for(T) == (None, {"maxSegments": 4})
+    assert view.apply_delete(KEYS.layout(T)) == Change("layout", T, False)
+    assert T not in view.topics
+
+
+def test_cooldown_seeded_from_the_layout() -> None:
+    lay = split(initial_layout(2), 0, now_ms=1_000)
+    assert seeded_cooldown(lay) == Cooldown(1_000, -1)
+    view = fresh()
+    assert view.topics[T].effective_cooldown() == Cooldown(-1, -1)
