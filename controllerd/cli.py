@@ -131,6 +131,38 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _config_path(args: argparse.Namespace) -> str:
+    path: str | None = args.config or os.environ.get("CONTROLLERD_CONFIG")
+    if not path:
+        _fail("--config FILE (or CONTROLLERD_CONFIG) is required")
+    return path
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import anyio
+
+    from controllerd import runtime
+
+    path = _config_path(args)
+    _load_config(path, EXIT_BAD_INPUT)  # refuse an invalid config before starting anything
+    return anyio.run(runtime.run, path, dict(os.environ))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import anyio
+
+    from controllerd import runtime
+
+    path = _config_path(args)
+    _load_config(path, EXIT_BAD_INPUT)
+    status = anyio.run(runtime.show_status, path, dict(os.environ))
+    if status is None:
+        print(json.dumps({"leader": None, "fencing_token": None}))
+        return EXIT_FAILED
+    print(json.dumps(status))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="controllerd",
@@ -147,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last-split-ms", type=int, metavar="N")
     p.add_argument("--last-merge-ms", type=int, metavar="N")
     p.set_defaults(func=cmd_decide)
+
+    p = sub.add_parser("run", help="run a controller replica (leader-elected through etcd)")
+    p.add_argument("--config", metavar="FILE", help="controllerd.toml (or $CONTROLLERD_CONFIG)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("status", help="print who leads the cluster and the fencing token")
+    p.add_argument("--config", metavar="FILE", help="controllerd.toml (or $CONTROLLERD_CONFIG)")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("check-config", help="validate a config file; print every error")
     p.add_argument("file", metavar="FILE")

@@ -184,9 +184,15 @@ class AutoscaleSettings:
     #: Seconds between split/merge evaluations; 60 s matches Pulsar's load-report
     #: cadence, so evaluating faster sees no new data.
     interval_seconds: float = 60.0
+    #: Seconds a consumer (un)registration waits for more before the topic is
+    #: evaluated, so a group starting N consumers gets one N-way split, not a
+    #: 2-way split and a cooldown. 0 evaluates at once.
+    consumer_settle_seconds: float = 0.05
 
     def errors(self, prefix: str = "autoscale") -> list[str]:
-        return _positive(prefix, "interval_seconds", self.interval_seconds)
+        return _positive(prefix, "interval_seconds", self.interval_seconds) + _at_least(
+            prefix, "consumer_settle_seconds", self.consumer_settle_seconds, 0.0
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,9 +112,7 @@ class Layout:
     properties: Mapping[str, str] = field(default_factory=dict)
     auto_scale_policy: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    _active: tuple[Segment, ...] | None = field(
-        default=None, init=False, compare=False, repr=False
-    )
+    _active: tuple[Segment, ...] | None = field(default=None, init=False, compare=False, repr=False)
 
     def active_segments(self) -> tuple[Segment, ...]:
         """Active segments in hash order (ascending range start); computed once."""

@@ -1,0 +1,714 @@
+"""Broker admin REST client (DESIGN §5): split, merge, backlog, delete segment, topics.
+
+One :class:`BrokerClient` (one ``httpx.AsyncClient``, one connection pool) per process.
+It speaks Pulsar's scalable-topic admin paths and adapts to the broker's capabilities:
+
+* ``profile="reference"`` (our reference broker): k-way splits with explicit
+  ``?boundaries=``; fencing is enforced by the broker.
+* ``profile="pulsar"``: only binary midpoint splits exist, so a k-way split becomes
+  ``k - 1`` successive midpoint splits (see :meth:`BrokerClient.split`). The children
+  are midpoint-aligned, *not* at the requested boundaries.
+
+Error contract: every failure is a :class:`BrokerError` subclass carrying ``status``,
+``method``, ``url`` and a truncated response ``body`` -- never the bearer token.
+5xx, timeouts and connection errors are retried with capped exponential backoff and
+full jitter, then raise :class:`BrokerUnavailable`; a 4xx is never retried.
+
+Retries of mutations are at-least-once. When an attempt may have been applied before
+it failed (a 5xx, a timeout, a dropped connection), a retried split or merge that the
+broker rejects with 412 is reconciled against the layout: if the layout shows exactly
+the requested outcome, the call succeeds. Errors carry ``maybe_applied`` so callers
+can do the same for other calls (e.g. a 409 from a retried ``create_topic``).
+
+Redirects: writes (and, on Pulsar, segment reads) may answer 307/308 to the
+controller-leader or owning broker. The client follows them itself rather than with
+httpx's ``follow_redirects``, because httpx drops ``Authorization`` on a cross-origin
+redirect (the leader is another host) and would turn a 302/303 POST into a GET. Only
+307/308 are followed, method, body and headers intact; the bearer token is withheld
+on an https -> http downgrade.
+
+``TopicName`` is :class:`controllerd.model.TopicName`, re-exported so that the daemon,
+the view and this client share one hashable type.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, Final, Literal, Self
+from urllib.parse import quote
+
+import anyio
+import httpx
+
+from controllerd.layout import equal_boundaries
+from controllerd.model import Layout, ModelError, Segment, TopicName, layout_from_json
+
+__all__ = [
+    "BrokerBug",
+    "BrokerClient",
+    "BrokerError",
+    "BrokerProfile",
+    "BrokerUnavailable",
+    "Conflict",
+    "Fenced",
+    "NotFound",
+    "PreconditionFailed",
+    "RequestHook",
+    "SubscriptionType",
+    "TopicName",
+    "as_profile",
+]
+
+BrokerProfile = Literal["pulsar", "reference"]
+SubscriptionType = Literal["STREAM", "QUEUE"]
+
+
+def as_profile(value: str) -> BrokerProfile:
+    """Narrow a configured profile name (``BrokerSettings.profile`` is a plain str)."""
+    if value == "pulsar":
+        return "pulsar"
+    if value == "reference":
+        return "reference"
+    raise ValueError(f"unknown broker profile {value!r}; expected pulsar or reference")
+
+
+#: ``on_request(op, outcome, seconds, status)``: one call per logical operation (after
+#: retries and redirects), for latency metrics. It must not raise.
+RequestHook = Callable[[str, str, float, int | None], None]
+
+BACKOFF_BASE_SECONDS: Final = 0.1
+BACKOFF_CAP_SECONDS: Final = 5.0
+MAX_REDIRECTS: Final = 5
+BODY_LIMIT: Final = 512
+"""Characters of a response body kept in an error (bodies can be whole stack traces)."""
+
+FENCING_HEADER: Final = "X-Fencing-Token"
+FENCED_CODE: Final = "fenced"
+"""``code`` in a 409 body by which the reference broker says the fencing token is stale."""
+
+_SCALABLE: Final = "/admin/v2/scalable"
+_SEGMENTS: Final = "/admin/v2/segments"
+_TOPIC_SCHEME: Final = "topic://"
+_REDIRECTS: Final = frozenset({307, 308})
+
+
+# --- errors -----------------------------------------------------------------
+
+
+class BrokerError(Exception):
+    """An admin call failed. ``url`` has no credentials; ``body`` is truncated.
+
+    ``status`` is None when no response arrived (timeout, connection error).
+    ``code`` is the machine-readable ``code`` of a JSON error body (reference broker),
+    if any. ``maybe_applied`` is True when an earlier attempt of this call may have
+    taken effect before failing, so a 404/409/412 may be the echo of our own success.
+    """
+
+    outcome: ClassVar[str] = "error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        method: str,
+        url: str,
+        status: int | None = None,
+        body: str = "",
+        code: str | None = None,
+        maybe_applied: bool = False,
+    ) -> None:
+        detail = f"{method} {url}: {message}"
+        if body:
+            detail += f" -- {body}"
+        super().__init__(detail)
+        self.method = method
+        self.url = url
+        self.status = status
+        self.body = body
+        self.code = code
+        self.maybe_applied = maybe_applied
+
+
+class NotFound(BrokerError):
+    """404: the topic, segment or subscription does not exist."""
+
+    outcome = "not_found"
+
+
+class Conflict(BrokerError):
+    """409: already exists; on the reference broker also "segment still has backlog"."""
+
+    outcome = "conflict"
+
+
+class Fenced(Conflict):
+    """409 with code ``fenced``: the broker saw a newer leader's fencing token.
+
+    The caller has been deposed and must stop acting; it is a :class:`Conflict` so
+    code that only knows Pulsar's statuses still treats it as a refusal.
+    """
+
+    outcome = "fenced"
+
+
+class PreconditionFailed(BrokerError):
+    """412: the layout changed under us (segment not active, not adjacent, bad split)."""
+
+    outcome = "precondition_failed"
+
+
+class BrokerBug(BrokerError):
+    """Any other 4xx, an unexpected redirect or an unparsable answer: report, don't retry."""
+
+    outcome = "bug"
+
+
+class BrokerUnavailable(BrokerError):
+    """5xx, timeouts or connection errors persisted through every retry."""
+
+    outcome = "unavailable"
+
+
+_BY_STATUS: Final[dict[int, type[BrokerError]]] = {
+    404: NotFound,
+    409: Conflict,
+    412: PreconditionFailed,
+}
+
+
+class _Retryable(Exception):
+    """One attempt failed transiently; carries what the final error should report."""
+
+    def __init__(self, message: str, status: int | None, body: str, applied: bool) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+        self.applied = applied
+
+
+# --- the client ---------------------------------------------------------------
+
+
+def _seg(value: str | int) -> str:
+    """One URL path segment, percent-encoded (topic names may hold ``%``, ``:`` etc.)."""
+    return quote(str(value), safe="")
+
+
+def _topic_path(topic: TopicName) -> str:
+    return f"{_SCALABLE}/{_seg(topic.tenant)}/{_seg(topic.namespace)}/{_seg(topic.topic)}"
+
+
+def _segment_path(topic: TopicName, descriptor: str) -> str:
+    return (
+        f"{_SEGMENTS}/{_seg(topic.tenant)}/{_seg(topic.namespace)}/{_seg(topic.topic)}"
+        f"/{_seg(descriptor)}"
+    )
+
+
+def _ssl_context(
+    ca_file: str | None, cert_file: str | None, key_file: str | None
+) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=ca_file)
+    if cert_file is not None:
+        ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
+class BrokerClient:
+    """Async client for the broker admin REST API (see the module docstring).
+
+    Args:
+        base_url: admin URL of any broker, e.g. ``https://broker:8443``.
+        profile: broker dialect; decides how k-way splits are carried out.
+        token: bearer token (the caller reads ``token_file``); see :meth:`set_token`.
+        ca_file, cert_file, key_file: PEM files for TLS and mutual TLS, read once here.
+        timeout: seconds per attempt, redirects included (a hard deadline).
+        max_retries: extra attempts after a transient failure; 0 = try once.
+        transport: httpx transport to use instead of the network (tests).
+        sleep, rng: backoff sleep and jitter source, injectable so tests never sleep.
+        on_request: metrics hook, see :data:`RequestHook`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        profile: BrokerProfile = "pulsar",
+        token: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        timeout: float = 10.0,
+        max_retries: int = 5,
+        transport: httpx.AsyncBaseTransport | None = None,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+        rng: random.Random | None = None,
+        on_request: RequestHook | None = None,
+    ) -> None:
+        profile = as_profile(profile)
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries!r}")
+        url = httpx.URL(base_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"broker admin URL must be http(s)://host[:port], got {base_url!r}")
+        self.profile: BrokerProfile = profile
+        self._base_scheme = url.scheme
+        self._token: str | None = None
+        self.set_token(token)
+        self._timeout = timeout
+        self._max_retries = max_retries
+        self._sleep = sleep
+        self._rng = rng if rng is not None else random.Random()
+        self._on_request = on_request
+        verify: ssl.SSLContext | bool = True
+        if url.scheme == "https" or ca_file is not None or cert_file is not None:
+            verify = _ssl_context(ca_file, cert_file, key_file)
+        self._client = httpx.AsyncClient(
+            base_url=url,
+            transport=transport,
+            verify=verify,
+            timeout=httpx.Timeout(timeout),
+            follow_redirects=False,
+            headers={"Accept": "application/json", "User-Agent": "controllerd"},
+        )
+
+    def set_token(self, token: str | None) -> None:
+        """Replace the bearer token (SIGHUP rotation); surrounding whitespace is dropped."""
+        if token is not None:
+            token = token.strip()
+            if not token or any(c in token for c in "\r\n"):
+                raise ValueError("bearer token must be a single non-empty line")
+        self._token = token
+
+    async def aclose(self) -> None:
+        """Close the connection pool; safe to call twice."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # --- topics and subscriptions ---------------------------------------------
+
+    async def list_topics(self, tenant: str, namespace: str) -> list[str]:
+        """Names ``t/ns/topic`` of the namespace's scalable topics, for ``TopicName.parse``.
+
+        Pulsar answers ``topic://t/ns/topic``; the ``topic://`` scheme is dropped.
+        """
+        path = f"{_SCALABLE}/{_seg(tenant)}/{_seg(namespace)}"
+        response = await self._call("list_topics", "GET", path)
+        names = self._json(response)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise self._bad_answer(response, "expected a JSON list of topic names")
+        return [n.removeprefix(_TOPIC_SCHEME) for n in names]
+
+    async def create_topic(
+        self, topic: TopicName, num_initial_segments: int, *, fencing_token: int | None = None
+    ) -> None:
+        """Create a scalable topic; :class:`Conflict` if it exists."""
+        await self._call(
+            "create_topic",
+            "PUT",
+            _topic_path(topic),
+            params={"numInitialSegments": str(num_initial_segments)},
+            fencing_token=fencing_token,
+        )
+
+    async def get_layout(self, topic: TopicName) -> Layout:
+        """The topic's layout; invariants are *not* checked (see ``layout.violations``)."""
+        response = await self._call("get_layout", "GET", _topic_path(topic))
+        try:
+            return layout_from_json(self._json(response))
+        except ModelError as exc:
+            raise self._bad_answer(response, f"unusable layout: {exc}") from exc
+
+    async def delete_topic(
+        self, topic: TopicName, force: bool = False, *, fencing_token: int | None = None
+    ) -> None:
+        await self._call(
+            "delete_topic",
+            "DELETE",
+            _topic_path(topic),
+            params={"force": "true" if force else "false"},
+            fencing_token=fencing_token,
+        )
+
+    async def create_subscription(
+        self,
+        topic: TopicName,
+        subscription: str,
+        type: SubscriptionType = "STREAM",
+        *,
+        fencing_token: int | None = None,
+    ) -> None:
+        """Create a subscription with cursors at the earliest position on every segment."""
+        await self._call(
+            "create_subscription",
+            "PUT",
+            f"{_topic_path(topic)}/subscriptions/{_seg(subscription)}",
+            params={"type": type},
+            fencing_token=fencing_token,
+        )
+
+    async def delete_subscription(
+        self, topic: TopicName, subscription: str, *, fencing_token: int | None = None
+    ) -> None:
+        await self._call(
+            "delete_subscription",
+            "DELETE",
+            f"{_topic_path(topic)}/subscriptions/{_seg(subscription)}",
+            fencing_token=fencing_token,
+        )
+
+    # --- split and merge --------------------------------------------------------
+
+    async def split(
+        self,
+        topic: TopicName,
+        segment_id: int,
+        boundaries: Sequence[int] | None,
+        *,
+        fencing_token: int | None,
+    ) -> None:
+        """Split an active segment into ``len(boundaries) + 1`` children (None: 2, midpoint).
+
+        Reference profile: one request with ``?boundaries=b1,b2,...`` (decimal).
+
+        Pulsar profile: the broker only splits at the midpoint, so the first request
+        splits ``segment_id`` and each further one splits the widest child made so far
+        (ties -> lower id), re-reading the layout in between, until the parent's range
+        is covered by ``len(boundaries) + 1`` children. The children are therefore
+        midpoint-aligned, not at the requested boundaries (a 4-way split gives exact
+        quarters, a 3-way one a half and two quarters). Each step is a valid layout,
+        so a failure part-way leaves a partial split for the next decision to build on.
+        """
+        bounds = None if boundaries is None else tuple(boundaries)
+        if bounds is not None and not bounds:
+            raise ValueError("a split needs at least one boundary (or None for the midpoint)")
+        if self.profile == "reference":
+            await self._split_once(topic, segment_id, bounds, fencing_token)
+            return
+        await self._split_once(topic, segment_id, None, fencing_token)
+        wanted = 2 if bounds is None else len(bounds) + 1
+        if wanted == 2:
+            return
+        layout = await self._layout_after_split(topic, segment_id)
+        parent = layout.segments[segment_id].hash_range
+        for _ in range(wanted - 2):
+            pieces = [
+                s
+                for s in layout.active_segments()
+                if parent.start <= s.hash_range.start and s.hash_range.end <= parent.end
+            ]
+            if not pieces or len(pieces) >= wanted:
+                return  # done, or someone else reshaped the range: the policy re-decides
+            widest = min(pieces, key=lambda s: (-s.hash_range.width, s.segment_id))
+            await self._split_once(topic, widest.segment_id, None, fencing_token)
+            layout = await self._layout_after_split(topic, widest.segment_id)
+
+    async def merge(self, topic: TopicName, a: int, b: int, *, fencing_token: int | None) -> None:
+        """Merge two adjacent active segments into one."""
+        try:
+            await self._call(
+                "merge",
+                "POST",
+                f"{_topic_path(topic)}/merge/{a}/{b}",
+                fencing_token=fencing_token,
+            )
+        except PreconditionFailed as exc:
+            if not (exc.maybe_applied and await self._merge_applied(topic, a, b)):
+                raise
+
+    # --- segments ---------------------------------------------------------------
+
+    async def backlog(self, topic: TopicName, descriptor: str, subscription: str) -> int | None:
+        """Unconsumed entries of ``subscription`` on one segment; None on 404 (= not drained).
+
+        A 404 means the segment topic is not loaded or the cursor does not exist: GC
+        must treat that as "not drained" and ask again later.
+        """
+        path = f"{_segment_path(topic, descriptor)}/subscription/{_seg(subscription)}/backlog"
+        response = await self._call("backlog", "GET", path, allow=frozenset({404}))
+        if response.status_code == 404:
+            return None
+        value = self._json(response)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._bad_answer(response, "expected a bare number")
+        if isinstance(value, float) and not value.is_integer():
+            raise self._bad_answer(response, "expected an integer backlog")
+        return int(value)
+
+    async def delete_segment(
+        self, topic: TopicName, descriptor: str, *, fencing_token: int | None
+    ) -> bool:
+        """Delete a pruned segment's data: True if deleted, False if it was already gone.
+
+        :class:`Conflict` from the reference broker means the segment still has backlog.
+        """
+        response = await self._call(
+            "delete_segment",
+            "DELETE",
+            _segment_path(topic, descriptor),
+            params={"force": "true"},
+            fencing_token=fencing_token,
+            allow=frozenset({404}),
+        )
+        return response.status_code != 404
+
+    # --- split/merge helpers ------------------------------------------------------
+
+    async def _split_once(
+        self,
+        topic: TopicName,
+        segment_id: int,
+        bounds: tuple[int, ...] | None,
+        fencing_token: int | None,
+    ) -> None:
+        params = None if bounds is None else {"boundaries": ",".join(str(b) for b in bounds)}
+        try:
+            await self._call(
+                "split",
+                "POST",
+                f"{_topic_path(topic)}/split/{segment_id}",
+                params=params,
+                fencing_token=fencing_token,
+            )
+        except PreconditionFailed as exc:
+            if not (exc.maybe_applied and await self._split_applied(topic, segment_id, bounds)):
+                raise
+
+    async def _split_applied(
+        self, topic: TopicName, segment_id: int, bounds: tuple[int, ...] | None
+    ) -> bool:
+        """Whether the layout shows ``segment_id`` split exactly as requested."""
+        layout = await self.get_layout(topic)
+        parent = layout.segments.get(segment_id)
+        if parent is None or parent.active:
+            return False
+        rng = parent.hash_range
+        expected = bounds if bounds is not None else equal_boundaries(rng, 2)
+        children = _children(layout, parent)
+        return [c.hash_range.start for c in children] == [rng.start, *expected] and all(
+            c.parent_ids == (segment_id,) for c in children
+        )
+
+    async def _merge_applied(self, topic: TopicName, a: int, b: int) -> bool:
+        """Whether the layout shows ``a`` and ``b`` sealed into one common child."""
+        layout = await self.get_layout(topic)
+        first, second = layout.segments.get(a), layout.segments.get(b)
+        if first is None or second is None or first.active or second.active:
+            return False
+        if len(first.child_ids) != 1 or first.child_ids != second.child_ids:
+            return False
+        child = layout.segments.get(first.child_ids[0])
+        return child is not None and set(child.parent_ids) == {a, b}
+
+    async def _layout_after_split(self, topic: TopicName, segment_id: int) -> Layout:
+        """Read the layout until it shows ``segment_id`` sealed.
+
+        Pulsar serves reads from a per-broker metadata cache, so a read right after a
+        split acknowledged by the leader may still show the old layout.
+        """
+        for attempt in range(self._max_retries + 1):
+            layout = await self.get_layout(topic)
+            seg = layout.segments.get(segment_id)
+            if seg is not None and not seg.active:
+                return layout
+            if attempt < self._max_retries:
+                await self._sleep(self._backoff(attempt))
+        raise BrokerUnavailable(
+            f"layout still shows segment {segment_id} active after it was split",
+            method="GET",
+            url=_safe(self._client.base_url.join(_topic_path(topic).lstrip("/"))),
+        )
+
+    # --- transport ----------------------------------------------------------------
+
+    def _backoff(self, attempt: int) -> float:
+        """Full jitter: uniform in ``[0, min(cap, base * 2**attempt)]``."""
+        ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2**attempt)
+        return self._rng.uniform(0.0, ceiling)
+
+    async def _call(
+        self,
+        op: str,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, str] | None = None,
+        fencing_token: int | None = None,
+        allow: frozenset[int] = frozenset(),
+    ) -> httpx.Response:
+        """Send with retries; return a 2xx (or an ``allow``-ed status) response, else raise."""
+        started = anyio.current_time()
+        url = self._client.base_url.join(path.lstrip("/"))
+        if params:
+            url = url.copy_merge_params(params)
+        try:
+            response, maybe_applied = await self._send_with_retries(method, url, fencing_token)
+            if not (response.is_success or response.status_code in allow):
+                raise self._error(response, method, maybe_applied=maybe_applied)
+        except BrokerError as exc:
+            self._report(op, exc.outcome, started, exc.status)
+            raise
+        self._report(op, _outcome(response.status_code), started, response.status_code)
+        return response
+
+    def _report(self, op: str, outcome: str, started: float, status: int | None) -> None:
+        if self._on_request is not None:
+            self._on_request(op, outcome, anyio.current_time() - started, status)
+
+    async def _send_with_retries(
+        self, method: str, url: httpx.URL, fencing_token: int | None
+    ) -> tuple[httpx.Response, bool]:
+        """The first non-5xx response, and whether an earlier attempt may have been applied."""
+        maybe_applied = False
+        last: _Retryable | None = None
+        for attempt in range(self._max_retries + 1):
+            if attempt:
+                await self._sleep(self._backoff(attempt - 1))
+            try:
+                response = await self._attempt(method, url, fencing_token)
+            except _Retryable as exc:
+                last = exc
+                maybe_applied = maybe_applied or exc.applied
+                continue
+            if response.status_code >= 500:
+                last = _Retryable(
+                    f"HTTP {response.status_code}",
+                    response.status_code,
+                    self._body(response),
+                    applied=True,
+                )
+                maybe_applied = True
+                continue
+            return response, maybe_applied
+        assert last is not None
+        raise BrokerUnavailable(
+            f"{last} (gave up after {self._max_retries + 1} attempts)",
+            method=method,
+            url=_safe(url),
+            status=last.status,
+            body=last.body,
+            maybe_applied=maybe_applied,
+        ) from last.__cause__
+
+    async def _attempt(
+        self, method: str, url: httpx.URL, fencing_token: int | None
+    ) -> httpx.Response:
+        """One attempt, following 307/308 redirects, within one ``timeout`` deadline.
+
+        Raises :class:`_Retryable` for timeouts and connection errors, and
+        :class:`BrokerBug` for requests that can never succeed.
+        """
+        try:
+            with anyio.fail_after(self._timeout):
+                for _ in range(MAX_REDIRECTS + 1):
+                    request = self._client.build_request(
+                        method,
+                        url,
+                        headers=self._headers(url, method, fencing_token),
+                        content=b"" if method in ("PUT", "POST") else None,
+                    )
+                    response = await self._client.send(request)
+                    location = response.headers.get("location")
+                    if response.status_code not in _REDIRECTS or not location:
+                        return response
+                    url = url.join(location)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise _Retryable(f"timed out after {self._timeout}s", None, "", True) from exc
+        except httpx.ConnectError as exc:
+            raise _Retryable(f"cannot connect: {exc}", None, "", False) from exc
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            raise _Retryable(f"connection failed: {exc}", None, "", True) from exc
+        except httpx.TransportError as exc:
+            raise BrokerBug(
+                f"request cannot be sent: {type(exc).__name__}: {exc}",
+                method=method,
+                url=_safe(url),
+            ) from exc
+        raise _Retryable(f"more than {MAX_REDIRECTS} redirects", None, "", True)
+
+    def _headers(self, url: httpx.URL, method: str, fencing_token: int | None) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if self._token is not None and (url.scheme == "https" or self._base_scheme == "http"):
+            headers["Authorization"] = f"Bearer {self._token}"
+        if fencing_token is not None and method != "GET":
+            headers[FENCING_HEADER] = str(fencing_token)
+        if method in ("PUT", "POST"):
+            # Pulsar's Java admin client sends an empty JSON entity: Jersey rejects an
+            # entity-taking resource (create topic) without a JSON content type.
+            headers["Content-Type"] = "application/json"
+        return headers
+
+    def _body(self, response: httpx.Response) -> str:
+        text = response.text.strip()
+        if self._token:
+            text = text.replace(self._token, "<redacted>")
+        if len(text) > BODY_LIMIT:
+            text = text[:BODY_LIMIT] + "..."
+        return text
+
+    def _error(self, response: httpx.Response, method: str, *, maybe_applied: bool) -> BrokerError:
+        status = response.status_code
+        body = self._body(response)
+        code = _error_code(response)
+        cls = _BY_STATUS.get(status, BrokerBug)
+        if cls is Conflict and code == FENCED_CODE:
+            cls = Fenced
+        return cls(
+            f"HTTP {status}",
+            method=method,
+            url=_safe(response.request.url),
+            status=status,
+            body=body,
+            code=code,
+            maybe_applied=maybe_applied,
+        )
+
+    def _json(self, response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise self._bad_answer(response, "response is not JSON") from exc
+
+    def _bad_answer(self, response: httpx.Response, why: str) -> BrokerBug:
+        return BrokerBug(
+            why,
+            method=response.request.method,
+            url=_safe(response.request.url),
+            status=response.status_code,
+            body=self._body(response),
+        )
+
+
+def _children(layout: Layout, parent: Segment) -> list[Segment]:
+    found = [layout.segments[c] for c in parent.child_ids if c in layout.segments]
+    return sorted(found, key=lambda s: s.hash_range.start)
+
+
+def _outcome(status: int) -> str:
+    """The ``on_request`` outcome of a response the caller accepted."""
+    cls = _BY_STATUS.get(status)
+    return "ok" if status < 300 or cls is None else cls.outcome
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        payload = json.loads(response.content)
+    except ValueError:
+        return None
+    code = payload.get("code") if isinstance(payload, dict) else None
+    return code if isinstance(code, str) else None
+
+
+def _safe(url: httpx.URL) -> str:
+    """The URL without user info, for error messages."""
+    return str(url.copy_with(username=None, password=None)) if url.userinfo else str(url)

@@ -1,0 +1,133 @@
+"""The decision audit sink against a real Kafka-compatible broker (tansu), and without one."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import anyio
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from controllerd.audit import AuditSink, open_audit
+from controllerd.config import AuditSettings
+from controllerd.metrics import Metrics
+from controllerd.model import Split, decision_to_json
+from tests.support.kafka import free_port, kafka_broker, run_tansu  # noqa: F401
+
+
+def _record(topic: str, n: int) -> dict[str, Any]:
+    return {
+        "ts_ms": 1_760_000_000_000 + n,
+        "topic": topic,
+        "decision": decision_to_json(Split(3, (0x4000,), "msgRateIn")),
+        "inputs": {"active": 2, "msgRateIn": {"3": 25_000.0}},
+        "fencing_token": 42,
+        "outcome": "ok",
+        "replica": "test-1",
+    }
+
+
+def _count(metrics: Metrics, outcome: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "controllerd_audit_messages_total", {"outcome": outcome}
+    )
+    assert value is not None
+    return value
+
+
+async def _read(bootstrap: str, topic: str, expected: int) -> list[tuple[bytes, Any]]:
+    """Keys and decoded values of the first ``expected`` records of partition 0."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        partition = TopicPartition(topic, 0)
+        consumer.assign([partition])
+        await consumer.seek_to_beginning(partition)
+        records: list[tuple[bytes, Any]] = []
+        with anyio.fail_after(10):
+            while len(records) < expected:
+                batch = await consumer.getmany(partition, timeout_ms=500)
+                records += [(r.key, json.loads(r.value)) for r in batch.get(partition, [])]
+        return records
+    finally:
+        await consumer.stop()
+
+
+async def test_records_arrive_as_json(kafka_broker: str) -> None:  # noqa: F811
+    topic = f"controllerd.decisions.{uuid.uuid4().hex}"
+    settings = AuditSettings(kafka_bootstrap=kafka_broker, topic=topic)
+    metrics = Metrics()
+    async with open_audit(settings, metrics) as sink:
+        for n in range(3):
+            sink.publish(_record("t/ns/a", n))
+        # Any Mapping is an object; JSON has no infinity, so it becomes a string.
+        sink.publish({**_record("t/ns/b", 3), "inputs": MappingProxyType({"ratio": math.inf})})
+
+    assert _count(metrics, "sent") == 4
+    assert _count(metrics, "dropped") == 0
+    records = await _read(kafka_broker, topic, 4)
+    assert [key for key, _ in records] == [b"t/ns/a"] * 3 + [b"t/ns/b"]
+    assert [value for _, value in records[:3]] == [_record("t/ns/a", n) for n in range(3)]
+    assert records[3][1]["inputs"] == {"ratio": "inf"}
+
+
+async def test_unserialisable_record_is_an_error_not_an_exception(
+    kafka_broker: str,  # noqa: F811
+) -> None:
+    settings = AuditSettings(kafka_bootstrap=kafka_broker, topic=f"audit.{uuid.uuid4().hex}")
+    metrics = Metrics()
+    async with open_audit(settings, metrics) as sink:
+        sink.publish({"topic": "t/ns/a", "inputs": object()})
+    assert _count(metrics, "error") == 1
+    assert _count(metrics, "sent") == 0
+
+
+async def test_kafka_down_never_blocks_publish() -> None:
+    settings = AuditSettings(
+        kafka_bootstrap=f"127.0.0.1:{free_port()}", topic="decisions", buffer_size=100
+    )
+    metrics = Metrics()
+    async with open_audit(settings, metrics, close_timeout=0.5) as sink:
+        started = time.perf_counter()
+        for n in range(5000):
+            sink.publish(_record("t/ns/a", n))
+        assert time.perf_counter() - started < 0.5  # ~10 µs each, never a network wait
+        assert _count(metrics, "dropped") == 4900  # the oldest beyond the buffer
+        await anyio.sleep(0.3)  # the sender is failing to connect meanwhile
+        closing = time.monotonic()
+    assert time.monotonic() - closing < 0.5 + 1.0 + 0.5  # flush + producer stop + slack
+    assert _count(metrics, "dropped") == 5000  # the buffered 100 at close
+    assert _count(metrics, "sent") == 0
+
+
+async def test_buffered_records_are_delivered_once_kafka_is_up(tmp_path: Path) -> None:
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    topic = f"audit.{uuid.uuid4().hex}"
+    metrics = Metrics()
+    async with open_audit(AuditSettings(kafka_bootstrap=bootstrap, topic=topic), metrics) as sink:
+        for n in range(5):
+            sink.publish(_record("t/ns/a", n))
+        await anyio.sleep(0.5)  # a few failed connection attempts
+        with run_tansu(tmp_path / "tansu.log", port):
+            records = await _read(bootstrap, topic, 5)
+            assert [value["ts_ms"] for _, value in records] == [
+                _record("t/ns/a", n)["ts_ms"] for n in range(5)
+            ]
+    assert _count(metrics, "sent") == 5
+
+
+async def test_unconfigured_sink_is_a_no_op() -> None:
+    metrics = Metrics()
+    async with open_audit(AuditSettings(), metrics) as sink:
+        assert type(sink) is AuditSink
+        sink.publish(_record("t/ns/a", 0))
+    for outcome in ("sent", "dropped", "error"):
+        assert _count(metrics, outcome) == 0

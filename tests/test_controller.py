@@ -1,0 +1,301 @@
+"""The leader's control loop against real etcd and the test broker over real HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+
+from controllerd.controller import Controller
+from controllerd.election import Leadership, current_leader
+from controllerd.layout import prune
+from controllerd.model import Decision, TopicName, layout_from_json
+from controllerd.store import Store, open_store
+from tests.support.broker import layout_json
+from tests.support.etcd import EtcdServer
+from tests.support.harness import TOPIC, Harness, eventually, make_config, open_harness
+
+HOT = 30_000.0  # 3x the default split threshold
+COLD = 10.0
+
+
+def active_count(h: Harness) -> int:
+    return len(h.layout().active_segments())
+
+
+async def stored_json(store: Store, key: str) -> object:
+    kv = await store.get(key)
+    return json.loads(kv.value) if kv is not None else None
+
+
+# --- events, not ticks ----------------------------------------------------------------------
+
+
+async def test_consumer_registration_splits_without_waiting_for_a_tick(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        await h.add_topic(segments=1)
+        await h.add_subscription("s")
+        await h.register("s", "c1")
+        await h.register("s", "c2")
+        await eventually(lambda: h.requests("/split/") == 1)
+        assert h.clock.monotonic() == 0.0  # no tick, no cooldown passed: the event did it
+        assert active_count(h) == 2
+        assert h.count("controllerd_decisions_total", action="split", reason="consumer-count") == 1
+
+
+async def test_a_consumer_burst_settles_into_one_split(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_harness(etcd_server.endpoint, etcd_prefix, settle=0.05) as h:
+        await h.add_topic(segments=1)
+        await h.add_subscription("s")
+        for i in range(4):
+            await h.register("s", f"c{i}")
+        await eventually(
+            lambda: (
+                h.view_layout() is not None
+                and len(h.controller.view.topics[TOPIC].consumers.get("s", ())) == 4
+            )
+        )
+        assert h.requests("/split/") == 0  # still settling
+        await h.clock.advance(0.05)
+        await eventually(lambda: h.requests("/split/") == 1)
+        assert active_count(h) == 4  # one decision, a segment per consumer
+
+
+async def test_hot_load_record_splits_k_ways_at_once(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        await h.add_topic(segments=1)
+        await h.put_load(0, HOT)
+        await eventually(lambda: h.requests("/split/") == 1)
+        assert active_count(h) == 3
+        split = next(r for r in h.broker_state.requests if "/split/" in r.path)
+        assert split.headers["x-fencing-token"] == str(h.leadership.token)
+        # the new layout arrives on the watch; the cooldown is stamped in etcd
+        await eventually(lambda: not h.controller.status()["in_flight"])
+        stamp = await stored_json(h.store, h.keys.cooldown(TOPIC))
+        assert stamp == {"lastSplitAtMs": h.clock.now_ms(), "lastMergeAtMs": -1}
+
+
+class GatedController(Controller):
+    """Counts evaluations and holds the first one until the test opens the gate."""
+
+    gate: anyio.Event
+    calls: int
+
+    async def evaluate(self, topic: TopicName) -> Decision | None:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 1:
+            await self.gate.wait()
+        return await super().evaluate(topic)
+
+
+async def test_a_burst_of_triggers_during_an_evaluation_reruns_exactly_once(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    GatedController.gate = anyio.Event()
+    async with open_harness(
+        etcd_server.endpoint, etcd_prefix, controller_class=GatedController
+    ) as h:
+        controller = h.controller
+        assert isinstance(controller, GatedController)
+        await h.add_topic(segments=4)
+        await eventually(lambda: getattr(controller, "calls", 0) == 1)  # held in flight
+        for sid in range(4):
+            for rate in (1.0, 2.0, 3.0):
+                await h.put_load(sid, rate)
+        await eventually(lambda: len(h.controller.view.topics[TOPIC].loads) == 4)
+        assert controller.calls == 1
+        GatedController.gate.set()
+        await eventually(lambda: not h.controller.status()["in_flight"])
+        assert controller.calls == 2
+
+
+# --- failures -------------------------------------------------------------------------------
+
+
+async def test_failed_split_releases_the_guard_burns_no_cooldown_and_retries(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        await h.add_topic(segments=1)
+        h.broker_state.fail_next = [503]
+        await h.put_load(0, HOT)
+        await eventually(
+            lambda: h.count("controllerd_operations_total", op="split", outcome="unavailable") == 1
+        )
+        await eventually(lambda: not h.controller.status()["in_flight"])
+        assert active_count(h) == 1
+        assert await h.store.get(h.keys.cooldown(TOPIC)) is None
+        assert h.controller.view.topics[TOPIC].cooldown is None
+        await h.clock.advance(1.0)  # the retry backoff, not the 60 s tick
+        await eventually(lambda: active_count(h) == 3)
+        assert h.count("controllerd_operations_total", op="split", outcome="ok") == 1
+        assert await h.store.get(h.keys.cooldown(TOPIC)) is not None
+
+
+async def test_malformed_layout_and_load_records_are_skipped_and_counted(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        await h.add_topic(segments=1)
+        other = TopicName("acme", "ns", "broken")
+        await h.store.put(h.keys.layout(other), b'{"segments": "nope"}')
+        await h.store.put(h.keys.load(TOPIC, 0), b'{"msgRateIn": "very hot"}')
+        await eventually(
+            lambda: h.count("controllerd_load_records_rejected_total", reason="load") == 1
+        )
+        await eventually(
+            lambda: h.count("controllerd_layouts_rejected_total", reason="layout") == 1
+        )
+        assert h.controller.view.topics[other].layout is None
+        await h.put_load(0, HOT)  # the controller carries on
+        await eventually(lambda: h.requests("/split/") == 1)
+
+
+# --- cooldowns and failover -----------------------------------------------------------------
+
+
+async def test_cooldown_survives_failover_even_after_gc_pruned_the_parent(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_store([etcd_server.endpoint]) as store:
+        async with open_harness(etcd_server.endpoint, etcd_prefix, store=store) as h1:
+            await h1.add_topic(segments=1)
+            await h1.put_load(0, HOT)
+            await eventually(lambda: active_count(h1) == 3)
+            await eventually(lambda: not h1.controller.status()["in_flight"])
+            split_at = h1.clock.now_ms()
+            layout = prune(h1.layout(), [0])  # GC forgot the parent: nothing to seed from
+        async with open_harness(
+            etcd_server.endpoint, etcd_prefix, store=store, replica="test-2"
+        ) as h2:
+            assert h2.leadership.token > h1.leadership.token
+            h2.broker_state.topics[TOPIC] = layout
+            await store.put(h2.keys.layout(TOPIC), layout_json(layout))
+            h2.clock._start_ms = split_at + 10_000  # 10 s after the split, new leader
+            await h2.put_load(1, HOT)
+            await eventually(
+                lambda: (
+                    h2.count("controllerd_decisions_total", action="none", reason="split-cooldown")
+                    >= 1
+                )
+            )
+            assert h2.requests("/split/") == 0
+            await h2.clock.advance(50.0)  # the 60 s cooldown ends: the follow-up tick
+            await h2.put_load(1, HOT)
+            await eventually(lambda: h2.requests("/split/") == 1)
+
+
+# --- GC -------------------------------------------------------------------------------------
+
+# GC rounds run when the tests call them; the ticker's own round is tested on its own.
+RETENTION = "[gc]\ndefault_retention_seconds = 600\ninterval_seconds = 1e9\n"
+
+
+async def _split_topic(h: Harness, *, subscription: bool = True) -> None:
+    await h.add_topic(segments=1)
+    if subscription:
+        await h.add_subscription("s")
+    await h.put_load(0, HOT)
+    await eventually(lambda: active_count(h) == 3)
+    await eventually(lambda: (h.view_layout() or h.layout()).epoch == 1)
+    await eventually(lambda: not h.controller.status()["in_flight"])
+
+
+async def test_gc_keeps_a_segment_within_retention_or_with_backlog(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=RETENTION) as h:
+        await _split_topic(h)
+        parent = h.layout().segments[0]
+        await h.clock.advance(599.0)
+        await h.controller.gc_round()
+        assert 0 in h.layout().segments and h.requests(parent.descriptor) == 0
+        h.broker_state.backlogs[(TOPIC, parent.descriptor, "s")] = 7
+        await h.clock.advance(10.0)
+        await h.controller.gc_round()
+        assert h.broker_state.deleted_segments == set()
+        stored = layout_from_json(await stored_json(h.store, h.keys.layout(TOPIC)))
+        assert 0 in stored.segments
+        assert await h.store.get(h.keys.pending_delete(TOPIC, parent.descriptor)) is None
+        # drained: pruned from the layout, data deleted, load record and marker gone
+        h.broker_state.backlogs[(TOPIC, parent.descriptor, "s")] = 0
+        await h.controller.gc_round()
+        stored = layout_from_json(await stored_json(h.store, h.keys.layout(TOPIC)))
+        assert 0 not in stored.segments and stored.epoch == 2
+        assert (TOPIC, parent.descriptor) in h.broker_state.deleted_segments
+        assert await h.store.get(h.keys.load(TOPIC, 0)) is None
+        assert await h.store.get(h.keys.pending_delete(TOPIC, parent.descriptor)) is None
+        assert h.count("controllerd_gc_pruned_segments_total") == 1
+
+
+async def test_gc_delete_failure_keeps_the_marker_and_retries_next_tick(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=RETENTION) as h:
+        await _split_topic(h, subscription=False)  # no backlog calls: DELETE comes first
+        parent = h.layout().segments[0]
+        await h.clock.advance(700.0)
+        h.broker_state.fail_next = [503]
+        await h.controller.gc_round()
+        stored = layout_from_json(await stored_json(h.store, h.keys.layout(TOPIC)))
+        assert 0 not in stored.segments  # pruned: the point of no return ...
+        marker = h.keys.pending_delete(TOPIC, parent.descriptor)
+        assert await h.store.get(marker) is not None  # ... but never orphaned
+        await h.controller.gc_round()
+        assert await h.store.get(marker) is None
+        assert (TOPIC, parent.descriptor) in h.broker_state.deleted_segments
+
+
+async def test_a_deposed_leader_cannot_prune(etcd_server: EtcdServer, etcd_prefix: str) -> None:
+    async with open_store([etcd_server.endpoint]) as store:
+        cfg = make_config(etcd_prefix, RETENTION)
+        leader_key = f"{cfg.controller_root}/leader"
+        await store.put(leader_key, b'{"replica": "old"}')
+        current = await current_leader(store, leader_key)
+        assert current is not None
+        old_token = current[1]
+        # Another replica won since: the key was re-created with a newer create revision.
+        await store.delete(leader_key)
+        await store.put(leader_key, b'{"replica": "new"}')
+        stale = Leadership(
+            token=old_token, lease_id=0, identity={"replica": "old"}, lost=anyio.Event()
+        )
+        async with open_harness(
+            etcd_server.endpoint, etcd_prefix, extra_config=RETENTION, store=store, leadership=stale
+        ) as h:
+            await _split_topic(h)
+            await h.clock.advance(700.0)
+            await h.controller.gc_round()
+            stored = layout_from_json(await stored_json(store, h.keys.layout(TOPIC)))
+            assert 0 in stored.segments
+            assert h.broker_state.deleted_segments == set()
+            assert h.count("controllerd_operations_total", op="prune", outcome="conflict") == 1
+
+
+@pytest.mark.parametrize("retention", [-1, 86400])
+async def test_gc_never_touches_a_segment_kept_by_retention(
+    etcd_server: EtcdServer, etcd_prefix: str, retention: int
+) -> None:
+    extra = f"[gc]\ndefault_retention_seconds = {retention}\ninterval_seconds = 1e9\n"
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=extra) as h:
+        await _split_topic(h)
+        await h.clock.advance(3600.0)
+        await h.controller.gc_round()
+        assert 0 in h.layout().segments and h.requests("/backlog") == 0
+
+
+async def test_the_gc_tick_prunes_without_being_called(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    extra = "[gc]\ndefault_retention_seconds = 0\ninterval_seconds = 60\n"
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=extra) as h:
+        await _split_topic(h)
+        await h.clock.advance(60.0)
+        await eventually(lambda: (TOPIC, "0000-ffff-0") in h.broker_state.deleted_segments)

@@ -1,0 +1,370 @@
+"""Store against a real etcd: keys, transactions, leases, watches, retries and restarts."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+
+import anyio
+import pytest
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from etcd3aio import Etcd3Client, PermissionType
+
+from controllerd.store import (
+    Compare,
+    Delete,
+    KeyValue,
+    LeaseNotFound,
+    Put,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    WatchCompacted,
+    WatchEvent,
+    open_store,
+)
+from tests.support.etcd import (  # noqa: F401 - fixtures
+    EtcdServer,
+    compact,
+    etcd_prefix_fixture,
+    etcd_server_fixture,
+    make_pki,
+    store_fixture,
+)
+
+
+async def _put_many(store: Store, keys: list[str], value: bytes = b"v") -> None:
+    """One revision per key, written 100 at a time."""
+    for i in range(0, len(keys), 100):
+        async with anyio.create_task_group() as tg:
+            for key in keys[i : i + 100]:
+                tg.start_soon(store.put, key, value)
+
+
+async def _pump(watch: AsyncIterator[list[WatchEvent]],
+                send: MemoryObjectSendStream[WatchEvent]) -> None:
+    async with send:
+        async for batch in watch:
+            for event in batch:
+                await send.send(event)
+
+
+async def _receive(events: MemoryObjectReceiveStream[WatchEvent], n: int) -> list[WatchEvent]:
+    with anyio.fail_after(10):
+        return [await events.receive() for _ in range(n)]
+
+
+def _start_watch(tg: TaskGroup, store: Store, prefix: str, revision: int
+                 ) -> MemoryObjectReceiveStream[WatchEvent]:
+    send, receive = anyio.create_memory_object_stream[WatchEvent](10_000)
+    tg.start_soon(_pump, store.watch_prefix(prefix, revision), send)
+    return receive
+
+
+# -- keys -------------------------------------------------------------------------------
+
+
+async def test_put_get_delete(store: Store, etcd_prefix: str) -> None:
+    key = etcd_prefix + "k"
+    assert await store.get(key) is None
+    rev1 = await store.put(key, b"one")
+    rev2 = await store.put(key, b"two")
+    assert rev2 > rev1
+    assert await store.get(key) == KeyValue(key, b"two", rev1, rev2, 2, 0)
+    assert await store.delete(key) is True
+    assert await store.delete(key) is False
+    assert await store.get(key) is None
+
+
+async def test_get_prefix_paginates_one_snapshot(store: Store, etcd_prefix: str) -> None:
+    keys = [f"{etcd_prefix}p/{i:05d}" for i in range(2345)]
+    await _put_many(store, keys)
+    await store.put(etcd_prefix + "p0", b"outside: shares the text but not the '/'")
+    last = await store.put(etcd_prefix + "q", b"after")
+
+    kvs, revision = await store.get_prefix(etcd_prefix + "p/")
+
+    assert [kv.key for kv in kvs] == keys  # all pages, in key order, nothing else
+    assert revision >= last
+    assert await store.delete_prefix(etcd_prefix + "p/") == len(keys)
+    after = await store.put(etcd_prefix + "r", b"")
+    assert await store.get_prefix(etcd_prefix + "p/") == ([], after)
+    assert await store.get(etcd_prefix + "p0") is not None
+
+
+async def test_empty_prefix_is_refused(store: Store) -> None:
+    with pytest.raises(ValueError, match="empty prefix"):
+        await store.delete_prefix("")
+
+
+# -- transactions -----------------------------------------------------------------------
+
+
+async def test_txn_each_compare_kind(store: Store, etcd_prefix: str) -> None:
+    key, other = etcd_prefix + "k", etcd_prefix + "other"
+    created = await store.put(key, b"a")
+    modified = await store.put(key, b"b")  # version 2
+    cases: list[tuple[Compare, bool]] = [
+        (Compare.value(key, b"b"), True),
+        (Compare.value(key, b"a"), False),
+        (Compare(key, "value", "!=", b"a"), True),
+        (Compare.create_revision(key, created), True),
+        (Compare.create_revision(key, modified), False),
+        (Compare.mod_revision(key, modified), True),
+        (Compare.mod_revision(key, created), False),
+        (Compare(key, "mod", ">", created), True),
+        (Compare(key, "mod", "<", created), False),
+        (Compare.version(key, 2), True),
+        (Compare(key, "version", "<", 2), False),
+        (Compare.absent(other), True),
+        (Compare.absent(key), False),
+    ]
+    for compare, holds in cases:
+        result = await store.txn([compare], [Put(other, b"yes")], [Put(other, b"no")])
+        assert result.succeeded is holds, compare
+        stored = await store.get(other)
+        assert stored is not None
+        assert stored.value == (b"yes" if holds else b"no"), compare
+        assert stored.mod_revision == result.revision
+        await store.delete(other)
+
+
+async def test_txn_is_atomic_with_deletes_and_refuses_no_compares(
+    store: Store, etcd_prefix: str
+) -> None:
+    await _put_many(store, [etcd_prefix + "d/1", etcd_prefix + "d/2"])
+    result = await store.txn(
+        [Compare.absent(etcd_prefix + "marker")],
+        [Delete(etcd_prefix + "d/", prefix=True), Put(etcd_prefix + "marker", b"1")],
+    )
+    assert result.succeeded
+    assert (await store.get_prefix(etcd_prefix + "d/"))[0] == []
+    marker = await store.get(etcd_prefix + "marker")
+    assert marker is not None
+    assert marker.mod_revision == result.revision
+    with pytest.raises(ValueError, match="compares"):
+        await store.txn([], [Put(etcd_prefix + "x", b"")])
+    with pytest.raises(TypeError):
+        Compare(etcd_prefix + "x", "mod", "==", b"1")
+
+
+# -- leases -----------------------------------------------------------------------------
+
+
+async def test_lease_grant_keepalive_revoke(store: Store, etcd_prefix: str) -> None:
+    lease, ttl = await store.grant_lease(5)
+    assert ttl == 5
+    key = etcd_prefix + "ephemeral"
+    await store.put(key, b"x", lease=lease)
+    assert await store.keepalive_once(lease, timeout=2.0) == 5
+    stored = await store.get(key)
+    assert stored is not None
+    assert stored.lease == lease
+
+    await store.revoke_lease(lease)
+
+    assert await store.get(key) is None
+    assert await store.keepalive_once(lease, timeout=2.0) <= 0
+    await store.revoke_lease(lease)  # unknown lease is fine
+    with pytest.raises(LeaseNotFound):
+        await store.txn([Compare.absent(key)], [Put(key, b"x", lease=lease)])
+
+
+# -- watches ----------------------------------------------------------------------------
+
+
+async def test_watch_yields_puts_and_deletes_in_order(store: Store, etcd_prefix: str) -> None:
+    _, revision = await store.get_prefix(etcd_prefix)
+    async with aclosing(store.watch_prefix(etcd_prefix, revision + 1)) as watch:
+        await store.put(etcd_prefix + "a", b"1")
+        await store.put(etcd_prefix + "b", b"2")
+        await store.delete(etcd_prefix + "a")
+        both = await store.txn([Compare.absent(etcd_prefix + "c")],
+                               [Put(etcd_prefix + "c", b"3"), Delete(etcd_prefix + "b")])
+        await store.put(etcd_prefix.rstrip("/") + "-sibling", b"not under the prefix")
+        seen: list[list[WatchEvent]] = []
+        with anyio.fail_after(10):
+            async for batch in watch:
+                seen.append(batch)
+                if batch[-1].mod_revision == both.revision:
+                    break
+    events = [e for batch in seen for e in batch]
+    assert [(e.kind, e.key.removeprefix(etcd_prefix), e.value) for e in events] == [
+        ("put", "a", b"1"), ("put", "b", b"2"), ("delete", "a", b""),
+        ("put", "c", b"3"), ("delete", "b", b""),
+    ]
+    batch_of = {e.mod_revision: i for i, batch in enumerate(seen) for e in batch}
+    assert all(batch_of[e.mod_revision] == i for i, batch in enumerate(seen) for e in batch)
+    revisions = [e.mod_revision for e in events]
+    assert revisions == sorted(revisions)
+
+
+async def test_watch_resumes_across_restart_without_loss(
+    store: Store, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    first = await store.put(etcd_prefix + "before", b"0")
+    async with anyio.create_task_group() as tg:
+        with _start_watch(tg, store, etcd_prefix, first) as events:
+            assert (await _receive(events, 1))[0].key == etcd_prefix + "before"
+
+            await anyio.to_thread.run_sync(etcd_server.stop)
+            await anyio.to_thread.run_sync(etcd_server.start)
+            # Written while the watch is still reconnecting (its backoff runs from
+            # the moment etcd went away), so they are history when it resumes.
+            keys = [f"{etcd_prefix}after/{i}" for i in range(5)]
+            for key in keys:
+                await store.put(key, b"1")
+
+            got = await _receive(events, len(keys))
+            await store.put(etcd_prefix + "sentinel", b"")
+            (next_event,) = await _receive(events, 1)
+            tg.cancel_scope.cancel()
+    assert [e.key for e in got] == keys
+    assert next_event.key == etcd_prefix + "sentinel"  # nothing lost, nothing twice
+
+
+async def test_watch_resumes_mid_catch_up_from_its_last_event(
+    store: Store, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    # A catching-up watch gets 1000 revisions per response, each stamped with
+    # the *current* revision. etcd3aio resumes from that stamp and so skipped
+    # revisions 1002..2501 in the same situation; we must not.
+    keys = [f"{etcd_prefix}{i:05d}" for i in range(1500)]
+    _, start = await store.get_prefix(etcd_prefix)
+    await _put_many(store, keys)
+    got: list[WatchEvent] = []
+    with anyio.fail_after(20):
+        async with aclosing(store.watch_prefix(etcd_prefix, start + 1)) as watch:
+            async for batch in watch:
+                if not got:
+                    assert len(batch) < len(keys)
+                    await anyio.to_thread.run_sync(etcd_server.kill)
+                    await anyio.to_thread.run_sync(etcd_server.start)
+                got.extend(batch)
+                if len(got) >= len(keys):
+                    break
+    assert sorted(e.key for e in got) == keys
+    assert len({e.mod_revision for e in got}) == len(keys)
+
+
+async def test_watch_from_compacted_revision_raises(
+    store: Store, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    old = await store.put(etcd_prefix + "k", b"1")
+    now = await store.put(etcd_prefix + "k", b"2")
+    await compact(etcd_server.endpoint, now)
+    with anyio.fail_after(10), pytest.raises(WatchCompacted) as raised:
+        async for _ in store.watch_prefix(etcd_prefix, old):
+            pass
+    assert raised.value.revision == now
+
+
+# -- failures ---------------------------------------------------------------------------
+
+
+async def test_unary_call_retries_through_a_restart(
+    store: Store, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    await store.put(etcd_prefix + "k", b"v")
+    await anyio.to_thread.run_sync(etcd_server.stop)
+    result: list[KeyValue | None] = []
+    async with anyio.create_task_group() as tg:
+
+        async def read() -> None:
+            result.append(await store.get(etcd_prefix + "k"))
+
+        tg.start_soon(read)  # issued while etcd is down; retry_for is 5 s
+        await anyio.to_thread.run_sync(etcd_server.start)
+    assert result[0] is not None
+    assert result[0].value == b"v"
+    # and right after a restart:
+    await anyio.to_thread.run_sync(etcd_server.stop)
+    await anyio.to_thread.run_sync(etcd_server.start)
+    assert await store.put(etcd_prefix + "k", b"w") > 0
+
+
+async def test_store_unavailable_when_etcd_stays_down(etcd_server: EtcdServer) -> None:
+    async with open_store([etcd_server.endpoint], timeout=0.5, retry_for=0.5) as short:
+        await short.get("/probe")
+        await anyio.to_thread.run_sync(etcd_server.stop)
+        started = anyio.current_time()
+        with pytest.raises(StoreUnavailable):
+            await short.get("/probe")
+        with pytest.raises(StoreUnavailable):
+            await short.keepalive_once(1, timeout=0.5)
+        print(f"gave up after {anyio.current_time() - started:.2f}s (retry_for 0.5 s)")
+
+
+async def test_non_transient_error_is_not_retried(etcd_server: EtcdServer) -> None:
+    async with open_store([etcd_server.endpoint], retry_for=60.0) as patient:
+        with anyio.fail_after(5), pytest.raises(LeaseNotFound):
+            await patient.put("/t/no-such-lease", b"x", lease=0x7FFF_FFFF)
+
+
+async def test_endpoints_are_validated() -> None:
+    for bad in (["127.0.0.1:2379"], ["ftp://h:1"], ["http://a:1", "http://b:1"],
+                ["http://127.0.0.1:1", "https://127.0.0.1:2"], []):
+        with pytest.raises(ValueError):
+            async with open_store(bad):
+                pass
+
+
+async def test_mutual_tls(tmp_path: Path) -> None:
+    pki = await anyio.to_thread.run_sync(make_pki, tmp_path / "pki")
+    server = EtcdServer(tmp_path / "data", pki)
+    await anyio.to_thread.run_sync(server.start)
+    try:
+        assert server.endpoint.startswith("https://")
+        async with open_store([server.endpoint], ca_file=str(pki.ca),
+                              cert_file=str(pki.client_cert), key_file=str(pki.client_key)
+                              ) as secure:
+            await secure.put("/tls/k", b"v")
+            kv = await secure.get("/tls/k")
+            assert kv is not None
+            assert kv.value == b"v"
+        # Without a client certificate the handshake fails, which grpc reports
+        # as UNAVAILABLE: indistinguishable from a down etcd.
+        async with open_store([server.endpoint], ca_file=str(pki.ca), retry_for=0.3) as anon:
+            with pytest.raises(StoreUnavailable):
+                await anon.get("/tls/k")
+    finally:
+        server.close()
+
+
+async def test_authentication_survives_a_restart(tmp_path: Path) -> None:
+    """Simple tokens die with etcd; the store re-authenticates by itself."""
+    server = EtcdServer(tmp_path / "data")
+    await anyio.to_thread.run_sync(server.start)
+    try:
+        async with Etcd3Client([server.endpoint.removeprefix("http://")]) as admin:
+            assert admin.auth is not None
+            await admin.auth.user_add("root", "rootpw")
+            await admin.auth.role_add("root")
+            await admin.auth.user_grant_role("root", "root")
+            await admin.auth.user_add("ctl", "secret")
+            await admin.auth.role_add("ctl")
+            await admin.auth.role_grant_permission(
+                "ctl", "/ctl/", b"/ctl0", perm_type=PermissionType.READWRITE)
+            await admin.auth.user_grant_role("ctl", "ctl")
+            await admin.auth.auth_enable()
+
+        async with open_store([server.endpoint], username="ctl", password="secret") as authed:
+            await authed.put("/ctl/k", b"1")
+            with pytest.raises(StoreError, match=r"(?i)permission"):
+                await authed.put("/elsewhere", b"1")
+            await anyio.to_thread.run_sync(server.stop)
+            await anyio.to_thread.run_sync(server.start)
+            await authed.put("/ctl/k", b"2")
+            kv = await authed.get("/ctl/k")
+            assert kv is not None
+            assert kv.value == b"2"
+        async with open_store([server.endpoint]) as anonymous:
+            with pytest.raises(StoreError):
+                await anonymous.get("/ctl/k")
+        with pytest.raises(StoreError):
+            async with open_store([server.endpoint], username="ctl", password="wrong"):
+                pass
+    finally:
+        server.close()
