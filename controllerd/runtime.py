@@ -187,13 +187,16 @@ class Daemon:
                 self._ready = True
                 sdnotify.ready()
                 task_status.started()
-                tg.start_soon(self._watchdog, name="watchdog")
-                tg.start_soon(self._leader_watch, store, name="leader-watch")
-                with anyio.CancelScope() as elector_scope:
-                    tg.start_soon(self._shutdown_on_signal, elector_scope, name="stopper")
-                    await self._elect_and_control(store, broker, audit)
-                self._ready = False
-                tg.cancel_scope.cancel()
+                # Workers that use the clients live in a group that ends before they close.
+                async with anyio.create_task_group() as workers:
+                    workers.start_soon(self._watchdog, name="watchdog")
+                    workers.start_soon(self._leader_watch, store, name="leader-watch")
+                    with anyio.CancelScope() as elector_scope:
+                        tg.start_soon(self._shutdown_on_signal, elector_scope, name="stopper")
+                        await self._elect_and_control(store, broker, audit)
+                    self._ready = False
+                    workers.cancel_scope.cancel()
+            tg.cancel_scope.cancel()
         log.info("daemon.stopped", replica=self.replica)
 
     async def _shutdown_on_signal(self, elector: anyio.CancelScope) -> None:
@@ -227,11 +230,10 @@ class Daemon:
         """Keep /status's idea of who leads current, from the leader key."""
         while True:
             try:
+                _, revision = await store.get_prefix(self.keys.leader)
                 self._leader = await current_leader(store, self.keys.leader)
-                kv = await store.get(self.keys.leader)
-                revision = kv.mod_revision + 1 if kv is not None else 0
-                async for _ in store.watch_prefix(self.keys.leader, revision):
-                    break
+                async for _ in store.watch_key(self.keys.leader, revision + 1):
+                    break  # changed: read it again
             except StoreError as exc:
                 log.warning("leader_watch.failed", error=str(exc))
                 await anyio.sleep(1.0)

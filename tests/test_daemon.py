@@ -1,0 +1,210 @@
+"""``controllerd run`` as real processes: election, events, failover, SIGHUP, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from controllerd.model import Layout, TopicName
+from controllerd.store import Store
+from controllerd.view import Keys
+from tests.support.broker import TestBrokerState, layout_json, serve_test_broker
+from tests.support.daemon import Replica, replicas, wait_until
+from tests.support.etcd import EtcdServer
+
+TOPIC = TopicName("acme", "ns", "orders")
+
+
+@dataclass
+class Cluster:
+    replicas: list[Replica]
+    broker: TestBrokerState
+    store: Store
+    keys: Keys
+    tmp: Path
+
+    async def leader(self) -> Replica:
+        await wait_until(self._one_leads)
+        for replica in self.replicas:
+            if replica.alive() and await replica.is_leader():
+                return replica
+        raise AssertionError("the leader stepped down while we looked")
+
+    async def _one_leads(self) -> bool:
+        return sum([await r.is_leader() for r in self.replicas if r.alive()]) == 1
+
+    def splits(self) -> int:
+        return sum(1 for r in self.broker.requests if "/split/" in r.path)
+
+    async def add_topic(self, segments: int = 1) -> Layout:
+        layout = self.broker.add_topic(TOPIC, segments)
+        await self.store.put(self.keys.layout(TOPIC), layout_json(layout))
+        return layout
+
+    async def put_load(self, segment_id: int, msg_in: float) -> None:
+        now = int(time.time() * 1000)
+        record = {
+            "msgRateIn": msg_in,
+            "byteRateIn": 0.0,
+            "msgRateOut": 0.0,
+            "byteRateOut": 0.0,
+            "changedAtMs": now,
+            "sampledAtMs": now,
+        }
+        await self.store.put(self.keys.load(TOPIC, segment_id), json.dumps(record).encode())
+
+
+@pytest.fixture
+async def cluster(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd/default")
+    state = TestBrokerState(profile="reference")
+
+    async def mirror(topic: TopicName, layout: Layout | None) -> None:
+        if layout is not None:
+            await store.put(keys.layout(topic), layout_json(layout))
+
+    state.on_layout_change = mirror
+    async with (
+        serve_test_broker(state) as url,
+        replicas(
+            tmp_path, 2, etcd=etcd_server.endpoint, prefix=etcd_prefix, broker_url=url
+        ) as running,
+    ):
+        yield Cluster(running, state, store, keys, tmp_path)
+
+
+async def test_one_replica_leads_and_a_consumer_registration_splits(cluster: Cluster) -> None:
+    leader = await cluster.leader()
+    standby = next(r for r in cluster.replicas if r is not leader)
+    status = await leader.status()
+    assert status is not None and status["fencing_token"] > 0
+    standby_status = await standby.status()
+    assert standby_status is not None and not standby_status["leader"]
+    await wait_until(lambda: _sees_leader(standby, status["fencing_token"]))
+
+    proc = await anyio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [sys.executable, "-m", "controllerd.cli", "status", "--config", str(standby.config)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout)
+    assert printed["fencing_token"] == status["fencing_token"]
+    assert printed["leader"]["replica"] == status["replica"]
+
+    await cluster.add_topic(segments=1)
+    await cluster.store.put(cluster.keys.subscription(TOPIC, "s"), b'{"type": "STREAM"}')
+    for name in ("c1", "c2", "c3"):
+        await cluster.store.put(cluster.keys.consumer(TOPIC, "s", name), b"{}")
+
+    async def split_into_three() -> bool:
+        return len(cluster.broker.topics[TOPIC].active_segments()) == 3
+
+    await wait_until(split_into_three, within=10)
+    assert cluster.splits() == 1
+    split = next(r for r in cluster.broker.requests if "/split/" in r.path)
+    assert split.headers["x-fencing-token"] == str(status["fencing_token"])
+
+
+async def _sees_leader(replica: Replica, token: int) -> bool:
+    status = await replica.status()
+    return status is not None and status["current_token"] == token
+
+
+async def test_sigterm_hands_over_at_once(cluster: Cluster) -> None:
+    leader = await cluster.leader()
+    standby = next(r for r in cluster.replicas if r is not leader)
+    started = time.monotonic()
+    leader.signal(signal.SIGTERM)
+    took = await wait_until(standby.is_leader, within=10)
+    print(f"\nSIGTERM handover: {took * 1000:.0f} ms")
+    assert await anyio.to_thread.run_sync(leader.wait, 15.0) == 0
+    exited = time.monotonic() - started
+    print(f"leader exited after {exited * 1000:.0f} ms")
+    # The standby won because the old leader deleted the key, not because a lease expired.
+    won = [e for e in standby.log_events() if e.get("event") == "election.won"]
+    assert won and won[-1]["after"] == "key-deleted"
+    resigned = [e for e in leader.log_events() if e.get("event") == "election.resigned"]
+    assert resigned and resigned[-1]["deleted_key"] is True
+
+
+async def test_kill_9_of_the_leader_fails_over_within_the_lease_ttl(cluster: Cluster) -> None:
+    leader = await cluster.leader()
+    old = await leader.status()
+    assert old is not None
+    standby = next(r for r in cluster.replicas if r is not leader)
+    leader.signal(signal.SIGKILL)
+    took = await wait_until(standby.is_leader, within=10)
+    print(f"\nkill -9 failover: {took * 1000:.0f} ms (lease TTL 2 s)")
+    new = await standby.status()
+    assert new is not None and new["fencing_token"] > old["fencing_token"]
+    # the new leader acts
+    await cluster.add_topic(segments=1)
+    await cluster.put_load(0, 30_000.0)
+
+    async def split() -> bool:
+        return cluster.splits() == 1
+
+    await wait_until(split, within=10)
+    request = next(r for r in cluster.broker.requests if "/split/" in r.path)
+    assert request.headers["x-fencing-token"] == str(new["fencing_token"])
+
+
+async def test_sighup_reloads_a_valid_config_and_keeps_the_old_on_an_invalid_one(
+    cluster: Cluster,
+) -> None:
+    leader = await cluster.leader()
+    original = leader.config.read_text(encoding="utf-8")
+    await cluster.add_topic(segments=1)
+    await cluster.put_load(0, 5_000.0)  # in the dead band at the default thresholds
+
+    async def decided() -> bool:
+        return (
+            await leader.metric("controllerd_decisions_total", action="none", reason="balanced")
+            or 0
+        ) >= 1
+
+    await wait_until(decided)
+    leader.config.write_text(original + "\n[policy]\nmin_segments = 0\n", encoding="utf-8")
+    leader.signal(signal.SIGHUP)
+
+    async def rejected() -> bool:
+        return (await leader.metric("controllerd_config_reloads_total", outcome="invalid")) == 1
+
+    await wait_until(rejected)
+    assert leader.alive() and cluster.splits() == 0
+    events = [e for e in leader.log_events() if e.get("event") == "config.reload.rejected"]
+    assert any("policy.min_segments" in err for err in events[-1]["errors"])
+
+    leader.config.write_text(
+        original + "\n[policy.split_thresholds]\nmsg_rate_in = 2000\n", encoding="utf-8"
+    )
+    leader.signal(signal.SIGHUP)
+
+    async def reloaded() -> bool:
+        return (await leader.metric("controllerd_config_reloads_total", outcome="ok")) == 1
+
+    await wait_until(reloaded)
+    await cluster.put_load(0, 5_001.0)  # the new threshold applies to the next evaluation
+
+    async def split() -> bool:
+        return cluster.splits() == 1
+
+    await wait_until(split, within=10)
+    assert len(cluster.broker.topics[TOPIC].active_segments()) == 3
