@@ -280,11 +280,13 @@ class Controller:
             if self._clock.monotonic() < awaited[1]:
                 return None
             del self._awaiting[topic]
-        layout = state.layout
         now = self._clock.now_ms()
         policy = self.resolved_policy(state)
         if isinstance(policy, PolicySettings):
             await self._track_cold(state, policy, now)
+        layout = state.layout  # read after the awaits above: decide on the newest
+        if layout is None:
+            return None
         loads = {
             sid: dataclasses.replace(sample, cold_since_ms=state.cold_since.get(sid))
             for sid, sample in state.loads.items()
@@ -315,7 +317,7 @@ class Controller:
                 log.info("decision", **fields)
             return decision
         log.info("decision", **fields)
-        outcome = await self._act(topic, state, decision, policy, now)
+        outcome = await self._act(topic, state, layout.epoch, decision, policy, now)
         self._record(topic, decision, outcome, now, state)
         return decision
 
@@ -342,11 +344,11 @@ class Controller:
         self,
         topic: TopicName,
         state: TopicState,
+        decided_epoch: int,
         decision: Split | Merge,
         policy: PolicySettings | PolicyInvalid,
         now: int,
     ) -> str:
-        assert state.layout is not None
         op = decision.action
         if self._leadership.lost.is_set():
             return "not-leader"
@@ -393,10 +395,13 @@ class Controller:
         )
         state.cooldown = stamp
         await self._store.put(self._keys.cooldown(topic), json.dumps(stamp.to_json()).encode())
-        self._awaiting[topic] = (
-            state.layout.epoch,
-            self._clock.monotonic() + LAYOUT_CATCH_UP_SECONDS,
-        )
+        current = state.layout
+        if current is not None and current.epoch <= decided_epoch:
+            # The broker's new layout has not reached us yet: do not decide on the old one.
+            self._awaiting[topic] = (
+                decided_epoch,
+                self._clock.monotonic() + LAYOUT_CATCH_UP_SECONDS,
+            )
         if isinstance(decision, Split) and isinstance(policy, PolicySettings):
             self._after(policy.split_cooldown_seconds, topic, "split-cooldown-expired")
         log.info("operation.done", topic=str(topic), op=op, token=self.token)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
 import anyio
 import pytest
 
+from controllerd.audit import AuditSink
 from controllerd.controller import Controller
 from controllerd.election import Leadership, current_leader
 from controllerd.layout import prune
@@ -299,3 +302,72 @@ async def test_the_gc_tick_prunes_without_being_called(
         await _split_topic(h)
         await h.clock.advance(60.0)
         await eventually(lambda: (TOPIC, "0000-ffff-0") in h.broker_state.deleted_segments)
+
+
+# --- follow-up, cold-since, audit ---------------------------------------------------------
+
+
+async def test_one_follow_up_evaluation_when_the_split_cooldown_expires(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_harness(etcd_server.endpoint, etcd_prefix, interval=1e9) as h:
+        await h.add_topic(segments=1)
+        await h.put_load(0, 1e6)  # 100x: an 8-way split, and still hot afterwards
+        await eventually(lambda: active_count(h) == 8)
+        await eventually(lambda: not h.controller.status()["in_flight"])
+        for sid in range(1, 9):
+            await h.put_load(sid, 20_000.0)  # each child is still 2x over
+        await eventually(lambda: h.count("controllerd_decisions_total", action="none",
+                                         reason="split-cooldown") >= 1)
+        assert h.requests("/split/") == 1
+        await h.clock.advance(60.0)  # no tick (interval 1e9): the follow-up timer fires
+        await eventually(lambda: h.requests("/split/") == 2)
+
+
+async def test_cold_since_survives_noisy_records_and_a_new_leader(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with open_store([etcd_server.endpoint]) as store:
+        async with open_harness(etcd_server.endpoint, etcd_prefix, store=store) as h1:
+            await h1.add_topic(segments=2)
+            start = h1.clock.now_ms()
+            await h1.put_load(0, COLD)
+            await h1.put_load(1, COLD)
+            await eventually(lambda: h1.controller.view.topics[TOPIC].cold_since == {
+                0: start, 1: start})
+            kv = await store.get(h1.keys.cold_since(TOPIC, 0))
+            assert kv is not None and int(kv.value) == start
+        async with open_harness(etcd_server.endpoint, etcd_prefix, store=store,
+                                replica="test-2") as h2:
+            h2.broker_state.topics[TOPIC] = h1.layout()
+            assert h2.controller.view.topics[TOPIC].cold_since == {0: start, 1: start}
+            await h2.clock.advance(200.0)
+            # noisy but cold: 10 -> 50 msg/s is a 400% change, PIP-483 restarts its window
+            await h2.put_load(0, 50.0)
+            await h2.clock.advance(100.0)  # 300 s since cold, only 100 s since the change
+            await h2.put_load(1, 12.0)
+            await eventually(lambda: h2.requests("/merge/") == 1)
+
+
+class RecordingAudit(AuditSink):
+    def __init__(self) -> None:
+        self.records: list[Mapping[str, Any]] = []
+
+    def publish(self, record: Mapping[str, Any]) -> None:
+        self.records.append(record)
+
+
+async def test_every_operation_is_audited_with_inputs_token_and_outcome(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    audit = RecordingAudit()
+    async with open_harness(etcd_server.endpoint, etcd_prefix, audit=audit) as h:
+        await h.add_topic(segments=1)
+        await h.put_load(0, HOT)
+        await eventually(lambda: len(audit.records) == 1)
+        record = audit.records[0]
+        assert record["decision"]["action"] == "split"
+        assert record["decision"]["reason"] == "msgRateIn"
+        assert record["fencing_token"] == h.leadership.token
+        assert record["outcome"] == "ok" and record["topic"] == str(TOPIC)
+        assert record["inputs"]["loads"]["0"]["msg_rate_in"] == HOT

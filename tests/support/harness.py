@@ -31,7 +31,9 @@ from tests.support.broker import TestBrokerState, layout_json, serve_test_broker
 TOPIC = TopicName("acme", "ns", "orders")
 
 
-def make_config(prefix: str, extra: str = "", *, settle: float = 0.0) -> config_mod.Config:
+def make_config(
+    prefix: str, extra: str = "", *, settle: float = 0.0, interval: float = 60.0
+) -> config_mod.Config:
     """A config rooted at ``prefix`` in etcd; ``extra`` is more TOML appended."""
     return config_mod.load(
         f"""
@@ -40,6 +42,7 @@ metadata_prefix = "{prefix}pulsar"
 controller_prefix = "{prefix}controllerd"
 [autoscale]
 consumer_settle_seconds = {settle}
+interval_seconds = {interval}
 {extra}
 """
     )
@@ -130,6 +133,8 @@ async def open_harness(
     *,
     extra_config: str = "",
     settle: float = 0.0,
+    interval: float = 60.0,
+    audit: AuditSink | None = None,
     profile: str = "reference",
     replica: str = "test-1",
     store: Store | None = None,
@@ -137,7 +142,7 @@ async def open_harness(
     leadership: Leadership | None = None,
 ) -> AsyncIterator[Harness]:
     """A running leader; leaves by cancelling it (resigning the lease)."""
-    cfg = make_config(prefix, extra_config, settle=settle)
+    cfg = make_config(prefix, extra_config, settle=settle, interval=interval)
     keys = Keys(cfg.etcd.metadata_prefix, cfg.controller_root)
     state = TestBrokerState(profile="reference" if profile == "reference" else "pulsar")
     clock = ManualClock()
@@ -173,7 +178,7 @@ async def open_harness(
             view=MetadataView(keys),
             leadership=leadership,
             metrics=metrics,
-            audit=AuditSink(),
+            audit=audit or AuditSink(),
             clock=clock,
             replica=replica,
         )
