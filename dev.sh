@@ -11,7 +11,9 @@ need_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 setup_system() {
     local missing=()
-    command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+    command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)             # tests, demo
+    command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)    # unit verification
+    command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)  # Spark
     if [ ${#missing[@]} -gt 0 ]; then
         echo "dev.sh: installing ${missing[*]}" >&2
         need_root apt-get update -qq
@@ -30,7 +32,7 @@ setup_python() {
     local stamp=.venv/.controllerd-installed
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
         .venv/bin/python -m pip install -q --upgrade pip
-        .venv/bin/python -m pip install -q -e '.[dev]'
+        .venv/bin/python -m pip install -q -e '.[dev,spark]'
         touch "$stamp"
     fi
 }

@@ -216,21 +216,21 @@ class GcSettings:
 @dataclass(frozen=True, slots=True)
 class BrokerSettings:
     #: Pulsar admin REST base URL; the default is a local standalone broker.
-    admin_url: str = "http://127.0.0.1:8080"
+    admin_url: str = field(default="http://127.0.0.1:8080", metadata=_RESTART)
     #: Admin API dialect: "pulsar" (upstream) or "reference" (our test broker).
-    profile: str = "pulsar"
+    profile: str = field(default="pulsar", metadata=_RESTART)
     #: File holding the admin bearer token; re-read on SIGHUP so tokens can rotate.
     token_file: str | None = None
     #: PEM CA bundle for an https admin_url; None = the system trust store.
-    ca_file: str | None = None
+    ca_file: str | None = field(default=None, metadata=_RESTART)
     #: PEM client certificate for mutual TLS; needs key_file.
-    cert_file: str | None = None
+    cert_file: str | None = field(default=None, metadata=_RESTART)
     #: PEM private key of cert_file.
-    key_file: str | None = None
+    key_file: str | None = field(default=None, metadata=_RESTART)
     #: Seconds per admin request; splits touch metadata and can take a few seconds.
-    timeout_seconds: float = 10.0
+    timeout_seconds: float = field(default=10.0, metadata=_RESTART)
     #: Retries of a failed idempotent admin request (with backoff); 0 = no retry.
-    max_retries: int = 5
+    max_retries: int = field(default=5, metadata=_RESTART)
 
     def errors(self, prefix: str = "broker") -> list[str]:
         return [
@@ -274,12 +274,12 @@ def _listen_or_raise(listen: str) -> tuple[str, int]:
 class AuditSettings:
     #: Kafka bootstrap servers (``host:port,...``) for the decision audit log;
     #: None = decisions are only logged.
-    kafka_bootstrap: str | None = None
+    kafka_bootstrap: str | None = field(default=None, metadata=_RESTART)
     #: Kafka topic receiving one record per decision.
-    topic: str = "controllerd.decisions"
+    topic: str = field(default="controllerd.decisions", metadata=_RESTART)
     #: Records held while Kafka is unreachable before the oldest are dropped;
     #: bounded so an outage cannot exhaust memory.
-    buffer_size: int = 1000
+    buffer_size: int = field(default=1000, metadata=_RESTART)
 
     def errors(self, prefix: str = "audit") -> list[str]:
         errs = _at_least(prefix, "buffer_size", self.buffer_size, 1)
@@ -488,12 +488,24 @@ def _env_target(parts: list[str]) -> tuple[list[str], Any] | None:
     return (parts, tp) if parts else None
 
 
+def is_override(name: str) -> bool:
+    """Whether an environment variable is a setting override.
+
+    Only ``CONTROLLERD_<TABLE>__<KEY>`` is: every setting lives in a table, so
+    the name has a ``__``. Other ``CONTROLLERD_*`` names, such as the
+    ``CONTROLLERD_SERVICE_HOST`` that Kubernetes injects for a Service of that
+    name, are not overrides and are ignored (the daemon logs them).
+    """
+    upper = name.upper()
+    return upper.startswith(ENV_PREFIX) and upper != CONFIG_PATH_ENV and "__" in upper
+
+
 def _apply_env(data: dict[str, Any], env: Mapping[str, str], errs: list[str]) -> dict[str, str]:
     """Merge overrides into ``data`` in place; returns dotted path → variable name."""
     sources: dict[str, str] = {}
     for name in sorted(env):
         upper = name.upper()
-        if not upper.startswith(ENV_PREFIX) or upper == CONFIG_PATH_ENV:
+        if not is_override(upper):
             continue
         parts = upper[len(ENV_PREFIX) :].lower().split("__")
         target = _env_target(parts)

@@ -83,6 +83,7 @@ class Daemon:
         self._controller: Controller | None = None
         self._token: int | None = None
         self._leader: tuple[Mapping[str, Any], int] | None = None
+        self._broker: BrokerClient | None = None
 
     # -- config --------------------------------------------------------------------------
 
@@ -101,8 +102,22 @@ class Daemon:
             )
             sdnotify.ready()
             return False
+        try:
+            token = _read_secret(new.broker.token_file)
+        except OSError as exc:
+            self.metrics.config_reloads.labels(outcome="invalid").inc()
+            log.error(
+                "config.reload.rejected",
+                path=self.config_path,
+                errors=[f"broker.token_file: {exc}"],
+                kept="previous config",
+            )
+            sdnotify.ready()
+            return False
         restart = config_mod.restart_required(self.config, new)
         self.config = new
+        if self._broker is not None:
+            self._broker.set_token(token)
         configure_logging(new.logging.level, new.logging.format)
         self.metrics.config_reloads.labels(outcome="ok").inc()
         log.info("config.reloaded", path=self.config_path, restart_required=restart or None)
@@ -156,6 +171,19 @@ class Daemon:
             cluster=cfg.cluster.name,
             config=self.config_path,
         )
+        ignored = sorted(
+            name
+            for name in self.env
+            if name.upper().startswith(config_mod.ENV_PREFIX)
+            and name.upper() != config_mod.CONFIG_PATH_ENV
+            and not config_mod.is_override(name)
+        )
+        if ignored:
+            log.info(
+                "config.env.ignored",
+                variables=ignored,
+                why="not CONTROLLERD_<TABLE>__<KEY>, so not a setting override",
+            )
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._signals, name="signals")
             app = make_ops_app(self.metrics, self.status, self.ready)
@@ -171,6 +199,7 @@ class Daemon:
                 max_retries=cfg.broker.max_retries,
                 on_request=self._observe_request,
             )
+            self._broker = broker
             async with (
                 open_store(
                     cfg.etcd.endpoints,

@@ -375,11 +375,17 @@ def test_env_empty_value_unsets_optional_setting() -> None:
 
 
 def test_env_unknown_variable_is_an_error_naming_it() -> None:
-    errors = errors_of("", {"CONTROLLERD_POLICY__MAX_SEGMNTS": "3", "CONTROLLERD_NOPE": "1"})
+    errors = errors_of("", {"CONTROLLERD_POLICY__MAX_SEGMNTS": "3", "CONTROLLERD_NOPE__X": "1"})
     assert [e.split(":")[0] for e in errors] == [
-        "CONTROLLERD_NOPE",
+        "CONTROLLERD_NOPE__X",
         "CONTROLLERD_POLICY__MAX_SEGMNTS",
     ]
+
+
+def test_env_names_without_a_table_are_not_overrides() -> None:
+    # What Kubernetes injects for a Service named "controllerd".
+    env = {"CONTROLLERD_SERVICE_HOST": "10.0.0.1", "CONTROLLERD_PORT_9464_TCP": "tcp://x"}
+    assert load("", env) == Config()
 
 
 def test_env_unrelated_and_config_path_variables_are_ignored() -> None:
@@ -441,6 +447,9 @@ def test_reload_marks() -> None:
         *(f"etcd.{f.name}" for f in fields(cfg.EtcdSettings)),
         "election.lease_ttl_seconds",
         "http.listen",
+        # the admin client and the audit producer are built once, at start
+        *(f"broker.{f.name}" for f in fields(cfg.BrokerSettings) if f.name != "token_file"),
+        *(f"audit.{f.name}" for f in fields(cfg.AuditSettings)),
     }
 
 
