@@ -163,6 +163,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_refbroker(args: argparse.Namespace) -> int:
+    from controllerd.refbroker.main import cmd_refbroker as refbroker
+
+    if args.config:
+        _load_config(args.config, EXIT_BAD_INPUT)
+    return refbroker(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from controllerd.demo import cmd_demo as demo
+
+    return demo(args.keep)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="controllerd",
@@ -187,6 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="print who leads the cluster and the fencing token")
     p.add_argument("--config", metavar="FILE", help="controllerd.toml (or $CONTROLLERD_CONFIG)")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("demo", help="run everything on 127.0.0.1 and show it split, merge, GC")
+    p.add_argument("--keep", action="store_true", help="keep the work directory with the logs")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("refbroker", help="run the reference broker (admin API over etcd + Kafka)")
+    p.add_argument("--etcd", default="http://127.0.0.1:2379", help="etcd endpoint URL")
+    p.add_argument("--kafka", default="127.0.0.1:9092", help="Kafka bootstrap host:port")
+    p.add_argument("--listen", default="127.0.0.1:8080", help="admin API host:port")
+    p.add_argument("--metadata-prefix", default="/pulsar")
+    p.add_argument(
+        "--leader-key",
+        help="controller leader key checked against X-Fencing-Token "
+        "(default: <controller_prefix>/<cluster>/leader from --config)",
+    )
+    p.add_argument("--report-interval", type=float, default=10.0, metavar="SECONDS")
+    p.add_argument("--config", help="controllerd.toml: thresholds and [load_report] rules")
+    p.set_defaults(func=cmd_refbroker)
 
     p = sub.add_parser("check-config", help="validate a config file; print every error")
     p.add_argument("file", metavar="FILE")

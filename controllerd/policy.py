@@ -8,7 +8,8 @@ each of which a setting turns off (``max_split_fanout = 2``,
 * k-way splits, so a consumer burst or a k-times overload converges in one step;
 * no split that would leave a child narrower than ``min_split_width``;
 * no merge whose combined load reaches ``merge_combined_max_ratio`` of the split
-  thresholds (it would re-split at once);
+  thresholds, nor one that leaves fewer segments than a subscription has
+  consumers (either would re-split at once); ``inf`` turns both off;
 * no merge on stale load (``sampled_at_ms`` older than ``load_ttl_seconds``);
 * the merge window measured from ``cold_since_ms`` when the sample carries it.
 
@@ -460,7 +461,16 @@ def decide(
         if isinstance(result, Split):
             return result
         blocked = result
-    if n > policy.min_segments:
+    resplit_guard = not math.isinf(policy.merge_combined_max_ratio)
+    if n > policy.min_segments and resplit_guard and n - 1 < max_consumers:
+        # Ours: a merge would leave a consumer without a segment, and the
+        # consumer-count rule would split again at once (a flip-flop).
+        blocked = blocked or NoAction(
+            "consumers",
+            f"{n} active segments serve a subscription with {max_consumers} consumers; "
+            "a merge would be split again at once",
+        )
+    elif n > policy.min_segments:
         if _within(last_merge_ms, policy.merge_cooldown_seconds, now_ms):
             if blocked is None and _merge_pass(layout, active, loads, policy, now_ms):
                 blocked = NoAction(

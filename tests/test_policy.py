@@ -439,3 +439,12 @@ def test_integral_floats_become_ints(override: dict[str, object]) -> None:
 def test_huge_numbers_are_invalid_not_a_crash(key: str) -> None:
     resolved = resolve_policy(OURS, {key: 10**400})
     assert isinstance(resolved, PolicyInvalid) and "out of range" in resolved.detail
+
+
+def test_no_merge_that_would_leave_a_consumer_without_a_segment() -> None:
+    loads = {0: cold(), 1: cold(), 2: cold()}
+    d = decide(layout_of(3), loads, {"s": 3}, OURS, NOW)
+    assert isinstance(d, NoAction) and d.reason == "consumers"
+    assert isinstance(decide(layout_of(3), loads, {"s": 2}, OURS, NOW), Merge)
+    # Pulsar merges, and then splits again for the consumer count.
+    assert isinstance(decide(layout_of(3), loads, {"s": 3}, PIP483, NOW), Merge)

@@ -1,0 +1,1 @@
+"""The reference broker: the Pulsar admin API over etcd and Kafka, reporter and client."""

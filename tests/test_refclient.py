@@ -1,0 +1,410 @@
+"""The reference broker's client library against real etcd and a real tansu Kafka.
+
+No broker server runs: :class:`SimBroker` does what docs/reference-broker.md says
+the broker does (create the segment topics, write the layout, write each sealed
+parent's ``seal`` key), step by step, so a test can stop between the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from anyio.abc import TaskStatus
+
+from controllerd.layout import initial_layout, merge, split
+from controllerd.model import HashRange, Layout, Segment, SegmentState, TopicName, layout_to_json
+from controllerd.refbroker.client import (
+    Consumer,
+    Message,
+    SendResult,
+    deal,
+    open_consumer,
+    open_producer,
+    readable_segments,
+)
+from controllerd.refbroker.naming import (
+    check_name_part,
+    key_hash,
+    seal_key,
+    segment_topic,
+    subscription_group,
+)
+from controllerd.store import Store
+from controllerd.view import Keys
+
+
+async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:
+    """Wait until ``predicate()`` holds: an outcome of real I/O, not a clock tick.
+
+    Polls because the outcomes (a consumer's assignment, records in Kafka) come
+    from background tasks and other processes that expose no event to wait on.
+    """
+    with anyio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110 - see above
+            await anyio.sleep(0.01)
+
+
+async def eventually_equal(
+    read: Callable[[], Awaitable[object]], expected: object, within: float = 10.0
+) -> None:
+    """Wait until ``await read()`` equals ``expected`` (state held by Kafka)."""
+    with anyio.fail_after(within):
+        while await read() != expected:  # noqa: ASYNC110 - another process; no event to await
+            await anyio.sleep(0.05)
+
+
+@dataclass
+class SimBroker:
+    """The broker's side of the protocol, one step per method."""
+
+    store: Store
+    keys: Keys
+    topic: TopicName
+    bootstrap: str
+    admin: Any
+    reader: Any
+    layout: Layout
+
+    def kafka_topic(self, sid: int) -> str:
+        return segment_topic(self.topic, self.layout.segments[sid].descriptor)
+
+    async def write_layout(self, layout: Layout) -> None:
+        """Steps 1 and 2: create the new segments' topics, then write the layout."""
+        new = [s for sid, s in layout.segments.items() if sid not in self.layout.segments]
+        if new:
+            await self.admin.create_topics(
+                [NewTopic(segment_topic(self.topic, s.descriptor), 1, 1) for s in new]
+            )
+        self.layout = layout
+        await self.store.put(
+            self.keys.layout(self.topic), json.dumps(layout_to_json(layout)).encode()
+        )
+
+    async def end_offset(self, sid: int) -> int:
+        """Offset after the segment's last record.
+
+        tansu 0.6 answers ListOffsets(latest) with the last *batch's* base offset
+        + 1, so read the record before that answer: the fetch returns its whole
+        batch (on Kafka, just that record), whose last offset + 1 is the end.
+        """
+        tp = TopicPartition(self.kafka_topic(sid), 0)
+        listed = int((await self.reader.end_offsets([tp]))[tp])
+        if listed == 0:
+            return 0
+        self.reader.assign([tp])
+        self.reader.seek(tp, listed - 1)
+        with anyio.fail_after(10):
+            while not (records := (await self.reader.getmany(tp, timeout_ms=200)).get(tp)):
+                pass
+        return int(records[-1].offset) + 1
+
+    async def seal(self, sid: int, end: int | None = None) -> None:
+        """Step 3: the sealed segment's end offset (``end`` overrides what Kafka says)."""
+        end = await self.end_offset(sid) if end is None else end
+        await self.store.put(
+            seal_key(self.keys, self.topic, sid), json.dumps({"endOffset": end}).encode()
+        )
+
+    async def split(self, sid: int) -> None:
+        await self.write_layout(split(self.layout, sid, now_ms=1))
+        await self.seal(sid)
+
+    async def merge(self, a: int, b: int) -> None:
+        await self.write_layout(merge(self.layout, a, b, now_ms=2))
+        await self.seal(a)
+        await self.seal(b)
+
+    async def records(self, sid: int) -> list[Any]:
+        """Every record of a segment's topic, in offset order."""
+        tp = TopicPartition(self.kafka_topic(sid), 0)
+        end = await self.end_offset(sid)
+        self.reader.assign([tp])
+        await self.reader.seek_to_beginning(tp)
+        out: list[Any] = []
+        with anyio.fail_after(10):
+            while len(out) < end:
+                batch = await self.reader.getmany(tp, timeout_ms=200)
+                out += batch.get(tp, [])
+        return out
+
+    async def committed(self, sub: str) -> dict[int, int]:
+        """The subscription group's committed offset per segment (as the broker reads it)."""
+        tps = {TopicPartition(self.kafka_topic(sid), 0): sid for sid in self.layout.segments}
+        answer = await self.admin.list_consumer_group_offsets(
+            subscription_group(self.topic, sub), partitions=list(tps)
+        )
+        return {tps[tp]: meta.offset for tp, meta in answer.items() if meta.offset >= 0}
+
+
+@asynccontextmanager
+async def sim_broker(
+    store: Store, prefix: str, bootstrap: str, segments: int
+) -> AsyncIterator[SimBroker]:
+    keys = Keys(metadata_prefix=f"{prefix}pulsar", controller_root=f"{prefix}controllerd")
+    topic = TopicName("acme", "ns", f"t{uuid.uuid4().hex[:12]}")
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    reader = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=50
+    )
+    await admin.start()
+    await reader.start()
+    try:
+        empty = Layout(epoch=0, next_segment_id=0, segments={})
+        sim = SimBroker(store, keys, topic, bootstrap, admin, reader, empty)
+        await sim.write_layout(initial_layout(segments))
+        yield sim
+    finally:
+        await reader.stop()
+        await admin.close()
+
+
+def kv(key: str, round_: int) -> tuple[bytes, bytes]:
+    return key.encode(), f"{key}:{round_}".encode()
+
+
+def split_between(a: Consumer, b: Consumer) -> tuple[set[int], set[int]]:
+    return set(a.assignment), set(b.assignment)
+
+
+def per_key(messages: list[Message]) -> dict[bytes, list[int]]:
+    rounds: dict[bytes, list[int]] = defaultdict(list)
+    for m in messages:
+        assert m.key is not None
+        rounds[m.key].append(int(m.value.decode().rsplit(":", 1)[1]))
+    return rounds
+
+
+# --- pure parts ----------------------------------------------------------------------------
+
+
+def test_names_and_hash() -> None:
+    topic = TopicName("acme", "ns", "orders")
+    assert segment_topic(topic, "0000-7fff-1") == "seg.acme.ns.orders.0000-7fff-1"
+    assert subscription_group(topic, "s_1") == "sub.acme.ns.orders.s_1"
+    # Murmur3-32 of "hello", seed 0, is 0x248bfa47: the route is its top 16 bits.
+    assert key_hash(b"hello") == 0x248B
+    assert key_hash(b"") == 0
+    for bad in ("", "a.b", "a/b", "ä", "x\n"):
+        with pytest.raises(ValueError, match="must match"):
+            check_name_part(bad)
+    with pytest.raises(ValueError, match="descriptor"):
+        segment_topic(topic, "0000-7FFF-1")
+    with pytest.raises(ValueError, match="must match"):
+        subscription_group(TopicName("acme", "ns", "or.ders"), "s")
+
+
+def test_readable_segments_wait_for_every_parent_still_in_the_layout() -> None:
+    layout = merge(split(initial_layout(2), 0, now_ms=1), 3, 1, now_ms=2)
+    # 0 -> 2, 3; 3 + 1 -> 4
+    assert readable_segments(layout, {}, {}) == [0, 1]
+    # 3 is sealed empty (end 0): finished without a commit.
+    assert readable_segments(layout, {0: 5, 1: 7, 3: 0}, {0: 5}) == [1, 2]
+    assert readable_segments(layout, {0: 5, 1: 7, 3: 0}, {0: 5, 1: 7}) == [2, 4]
+    pruned = Layout(
+        epoch=9,
+        next_segment_id=5,
+        segments={4: Segment(4, HashRange(0, 0xFFFF), SegmentState.ACTIVE, parent_ids=(3, 1))},
+    )
+    assert readable_segments(pruned, {}, {}) == [4]
+    assert deal([5, 1, 3], ["b", "a"]) == {"a": [1, 5], "b": [3]}
+    assert deal([1], []) == {}
+
+
+# --- producer --------------------------------------------------------------------------------
+
+
+async def test_producer_routes_by_key_hash(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    async with sim_broker(store, etcd_prefix, kafka_broker, 4) as sim:
+        async with open_producer(
+            store, sim.keys, kafka_broker, sim.topic, retain_limit=50
+        ) as producer:
+            sent = [kv(f"key-{i}", 0) for i in range(200)]
+            results = await asyncio.gather(*(producer.send(k, v) for k, v in sent))
+            keyless = await producer.send(None, b"no key")
+            assert producer.retained <= 200 - 50  # trimmed: etcd still shows every segment active
+            await producer.flush()
+            assert producer.retained == 0
+        for (key, _), result in zip(sent, results, strict=True):
+            rng = sim.layout.segments[result.segment_id].hash_range
+            assert rng.start <= key_hash(key) <= rng.end
+        stored: list[tuple[int, bytes | None]] = []
+        for sid, seg in sim.layout.segments.items():
+            for record in await sim.records(sid):
+                stored.append((sid, record.key))
+                if record.key is not None:
+                    assert seg.hash_range.start <= key_hash(record.key) <= seg.hash_range.end
+        assert sorted(k for _, k in stored if k is not None) == sorted(k for k, _ in sent)
+        assert (keyless.segment_id, None) in stored
+        assert sum(s.messages for s in producer.stats.values()) == 201
+        assert len({r.segment_id for r in results}) == 4
+
+
+async def test_producer_resends_what_landed_beyond_the_seal(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        names = [f"k{i}" for i in range(10)]
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+            for i, name in enumerate(names):
+                assert await producer.send(*kv(name, 0)) == SendResult(0, i)
+            await sim.write_layout(split(sim.layout, 0, now_ms=1))  # children 1, 2
+            await eventually(lambda: producer.pending_seals == {0})
+            async with anyio.create_task_group() as tg:
+
+                async def send_new() -> None:
+                    for name in names:
+                        result = await producer.send(*kv(name, 1))
+                        assert result.segment_id in (1, 2)
+
+                tg.start_soon(send_new)
+                # No seal yet: the producer cannot know what to re-send, so it sends nothing.
+                with anyio.move_on_after(0.3):
+                    await eventually(lambda: sum(s.messages for s in producer.stats.values()) > 10)
+                assert sum(s.messages for s in producer.stats.values()) == 10
+                # The race, made deterministic: the broker says the segment ended at 6,
+                # as if offsets 6..9 had landed after it read the end offset.
+                await sim.seal(0, end=6)
+            assert producer.stats[0].resent == 4
+            assert producer.pending_seals == frozenset()
+
+        assert [r.value for r in await sim.records(0)] == [kv(n, 0)[1] for n in names]
+        for child in (1, 2):
+            rng = sim.layout.segments[child].hash_range
+            mine = [n for n in names if rng.start <= key_hash(n.encode()) <= rng.end]
+            resent = [kv(n, 0)[1] for n in mine if int(n[1:]) >= 6]
+            expected = resent + [kv(n, 1)[1] for n in mine]
+            assert [r.value for r in await sim.records(child)] == expected
+
+        # A consumer reads the parent only up to its seal: offsets 6..9 come from the children.
+        got: list[Message] = []
+        async with open_consumer(store, sim.keys, kafka_broker, sim.topic, "s", "c") as consumer:
+            with anyio.fail_after(10):
+                async for message in consumer.messages():
+                    got.append(message)
+                    if len(got) == 20:
+                        break
+        assert [m.offset for m in got if m.segment_id == 0] == list(range(6))
+        assert per_key(got) == {n.encode(): [0, 1] for n in names}
+
+
+# --- consumer --------------------------------------------------------------------------------
+
+
+async def test_consumer_reads_across_split_and_merge_once_in_key_order(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    keys_n, rounds = 200, 20
+    names = [f"key-{i}" for i in range(keys_n)]
+    async with (
+        sim_broker(store, etcd_prefix, kafka_broker, 2) as sim,
+        open_producer(store, sim.keys, kafka_broker, sim.topic) as producer,
+        open_consumer(store, sim.keys, kafka_broker, sim.topic, "s", "c1") as consumer,
+    ):
+        got: list[Message] = []
+
+        async def consume() -> None:
+            async for message in consumer.messages():
+                got.append(message)
+                if len(got) == keys_n * rounds:
+                    return
+
+        async def send_round(r: int) -> None:
+            await asyncio.gather(*(producer.send(*kv(n, r)) for n in names))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                for r in range(rounds):
+                    async with anyio.create_task_group() as race:
+                        race.start_soon(send_round, r)
+                        if r == 7:  # split while a round is in flight: 0 -> 2, 3
+                            race.start_soon(sim.split, 0)
+                        if r == 14:  # merge while a round is in flight: 3 + 1 -> 4
+                            race.start_soon(sim.merge, 3, 1)
+
+    assert len(got) == keys_n * rounds
+    assert per_key(got) == {n.encode(): list(range(rounds)) for n in names}
+    assert {m.segment_id for m in got} == {0, 1, 2, 3, 4}
+
+
+async def test_two_consumers_share_segments_and_hand_over(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    names = [f"key-{i}" for i in range(200)]
+    async with (
+        sim_broker(store, etcd_prefix, kafka_broker, 4) as sim,
+        open_producer(store, sim.keys, kafka_broker, sim.topic) as producer,
+    ):
+        got: list[tuple[str, Message]] = []  # in delivery order, across both consumers
+        b_scope = anyio.CancelScope()
+        b_closed = anyio.Event()
+
+        async def run(
+            name: str,
+            scope: anyio.CancelScope,
+            *,
+            task_status: TaskStatus[Consumer] = anyio.TASK_STATUS_IGNORED,
+        ) -> None:
+            with scope:
+                async with open_consumer(
+                    store, sim.keys, kafka_broker, sim.topic, "s", name
+                ) as consumer:
+                    task_status.started(consumer)
+                    async for message in consumer.messages():
+                        got.append((name, message))
+            b_closed.set()
+
+        async def send_round(r: int) -> list[SendResult]:
+            return await asyncio.gather(*(producer.send(*kv(n, r)) for n in names))
+
+        def delivered(by: str | None = None) -> list[Message]:
+            return [m for name, m in got if by in (None, name)]
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                a: Consumer = await tg.start(run, "a", anyio.CancelScope())
+                b: Consumer = await tg.start(run, "b", b_scope)
+                await eventually(
+                    lambda: (a.assignment, b.assignment) == (frozenset({0, 2}), frozenset({1, 3}))
+                )
+
+                results = [*await send_round(0), *await send_round(1)]
+                await eventually(lambda: len(delivered()) == 400)
+                assert {m.segment_id for m in delivered("a")} == {0, 2}
+                assert {m.segment_id for m in delivered("b")} == {1, 3}
+                ends = Counter(r.segment_id for r in results)
+                await eventually_equal(lambda: sim.committed("s"), dict(ends))
+
+                # Segment 0 is finished at once (a committed it): 1..5 are readable.
+                await sim.split(0)
+                await eventually(
+                    lambda: (
+                        (a.assignment, b.assignment) == (frozenset({1, 3, 5}), frozenset({2, 4}))
+                    )
+                )
+                await send_round(2)
+                await send_round(3)
+                await eventually(lambda: len(delivered()) == 800)
+
+                b_scope.cancel()
+                await b_closed.wait()
+                await eventually(lambda: a.assignment == {1, 2, 3, 4, 5})
+                await send_round(4)
+                await eventually(lambda: len(delivered()) == 1000)
+                tg.cancel_scope.cancel()
+
+    assert per_key(delivered()) == {n.encode(): [0, 1, 2, 3, 4] for n in names}
+    assert Counter((m.segment_id, m.offset) for m in delivered()).most_common(1)[0][1] == 1
