@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian machine with Python 3.11:
-#   ./dev.sh run    set everything up, then run controllerd on the embedded default
+#   ./dev.sh run    set everything up, then run the embedded default (controllerd demo):
+#                   etcd, Kafka (tansu), the reference broker and two controllerd replicas
 #   ./dev.sh test   set everything up, then lint, type-check and run the whole test suite
 # Set-up is idempotent: system packages are installed only when missing, and the
 # virtualenv (.venv) is refreshed only when pyproject.toml changed.
@@ -52,9 +53,7 @@ case "$cmd" in
         shift
         setup_system
         setup_python
-        exec .venv/bin/controllerd decide --layout examples/layout.json \
-            --load examples/load.json --consumers examples/consumers.json \
-            --now-ms 1760000400000 "$@"
+        exec .venv/bin/controllerd demo "$@"
         ;;
     *)
         echo "usage: ./dev.sh run|test [args...]" >&2
