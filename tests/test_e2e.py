@@ -154,12 +154,19 @@ async def produce(
     seconds: float,
     keys: int = 50,
     counters: dict[bytes, int] | None = None,
+    stop: anyio.Event | None = None,
 ) -> None:
-    """``rate`` messages/s for ``seconds``; values are per-key sequence numbers."""
+    """``rate`` messages/s for ``seconds`` or until ``stop``; values count per key.
+
+    Stopped by the event, never by cancellation, so that a send in flight is
+    either counted and sent or neither.
+    """
     counters = counters if counters is not None else defaultdict(int)
     start = anyio.current_time()
     sent = 0
     while (elapsed := anyio.current_time() - start) < seconds:
+        if stop is not None and stop.is_set():
+            return
         while sent < int(elapsed * rate):
             key = b"k%03d" % (sent % keys)
             await producer.send(key, str(counters[key]).encode())
@@ -175,15 +182,16 @@ async def test_an_overload_splits_k_ways_at_once_and_keeps_key_order(
         counters: dict[bytes, int] = defaultdict(int)
         async with open_producer(store, e2e.keys, kafka_broker, TOPIC) as producer:
             await e2e.disable_autoscale()  # let the measured rate settle at 3.5x first
+            stop = anyio.Event()
             async with anyio.create_task_group() as tg:
-                tg.start_soon(produce, producer, 3.5 * SPLIT_MSG_RATE, 1e9, 50, counters)
+                tg.start_soon(produce, producer, 3.5 * SPLIT_MSG_RATE, 1e9, 50, counters, stop)
                 await wait_until(lambda: e2e.load_at_least(0, 3.2 * SPLIT_MSG_RATE), within=20)
                 await e2e.enable_autoscale()
                 await wait_until(lambda: _active(e2e, 4), within=20)
                 first_split = e2e.layouts[1]
                 assert len(first_split.active_segments()) == 4  # 4 children in one step
                 await anyio.sleep(1.0)  # keep producing across the split
-                tg.cancel_scope.cancel()
+                stop.set()
         delivered: dict[bytes, list[int]] = defaultdict(list)
         total = sum(counters.values())
         async with open_consumer(store, e2e.keys, kafka_broker, TOPIC, "s", "reader") as c:
@@ -266,9 +274,7 @@ async def test_cold_pair_merges_and_gc_deletes_only_drained_segments(
                 tg.cancel_scope.cancel()
 
         async def data_deleted() -> bool:  # after the prune, the broker deletes the data
-            return all(
-                [await e2e.admin.backlog(TOPIC, p.descriptor, "s") is None for p in parents]
-            )
+            return all([await e2e.admin.backlog(TOPIC, p.descriptor, "s") is None for p in parents])
 
         await wait_until(data_deleted, within=15)
 
