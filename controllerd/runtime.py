@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,19 @@ def _read_secret(path: str | None) -> str | None:
     if path is None:
         return None
     return Path(path).read_text(encoding="utf-8").strip()
+
+
+def open_configured_store(etcd: config_mod.EtcdSettings) -> AbstractAsyncContextManager[Store]:
+    """The etcd client as ``[etcd]`` describes it (credentials read from their files)."""
+    return open_store(
+        etcd.endpoints,
+        username=etcd.username,
+        password=_read_secret(etcd.password_file),
+        ca_file=etcd.ca_file,
+        cert_file=etcd.cert_file,
+        key_file=etcd.key_file,
+        timeout=etcd.timeout_seconds,
+    )
 
 
 class Daemon:
@@ -201,15 +215,7 @@ class Daemon:
             )
             self._broker = broker
             async with (
-                open_store(
-                    cfg.etcd.endpoints,
-                    username=cfg.etcd.username,
-                    password=_read_secret(cfg.etcd.password_file),
-                    ca_file=cfg.etcd.ca_file,
-                    cert_file=cfg.etcd.cert_file,
-                    key_file=cfg.etcd.key_file,
-                    timeout=cfg.etcd.timeout_seconds,
-                ) as store,
+                open_configured_store(cfg.etcd) as store,
                 broker,
                 open_audit(cfg.audit, self.metrics) as audit,
             ):
@@ -337,15 +343,7 @@ async def show_status(config_path: str, env: Mapping[str, str]) -> Mapping[str, 
     """Who leads the cluster and with which fencing token (``controllerd status``)."""
     cfg = config_mod.load_file(config_path, env)
     keys = Keys(cfg.etcd.metadata_prefix, cfg.controller_root)
-    async with open_store(
-        cfg.etcd.endpoints,
-        username=cfg.etcd.username,
-        password=_read_secret(cfg.etcd.password_file),
-        ca_file=cfg.etcd.ca_file,
-        cert_file=cfg.etcd.cert_file,
-        key_file=cfg.etcd.key_file,
-        timeout=cfg.etcd.timeout_seconds,
-    ) as store:
+    async with open_configured_store(cfg.etcd) as store:
         leader = await current_leader(store, keys.leader)
     if leader is None:
         return None
