@@ -143,8 +143,11 @@ def run_once(topics: Sequence[Topic]) -> tuple[float, list[Decision]]:
     append = out.append
     start = time.perf_counter()
     for t in topics:
-        append(decide(t.layout, t.loads, t.consumers, t.policy, NOW_MS,
-                      t.last_split_ms, t.last_merge_ms))
+        append(
+            decide(
+                t.layout, t.loads, t.consumers, t.policy, NOW_MS, t.last_split_ms, t.last_merge_ms
+            )
+        )
     return time.perf_counter() - start, out
 
 
@@ -170,8 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     mix = Counter(f"{d.action}/{d.reason}" for d in decisions)
 
     print(f"topics:               {len(topics)}")
-    print(f"segments per topic:   {args.segments} active "
-          f"({total_segments / max(1, len(topics)):.2f} incl. sealed)")
+    print(
+        f"segments per topic:   {args.segments} active "
+        f"({total_segments / max(1, len(topics)):.2f} incl. sealed)"
+    )
     print(f"total decisions:      {len(decisions)}")
     print(f"seconds (best of {args.repeat}): {best:.4f}")
     print(f"topic-decisions/s:    {len(decisions) / best:,.0f}")

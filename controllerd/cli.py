@@ -25,6 +25,7 @@ from controllerd.model import (
     layout_from_json,
     load_sample_from_json,
 )
+from controllerd.pipeline.cli import add_commands as add_pipeline_commands
 from controllerd.policy import decide, resolve_policy
 
 EXIT_OK = 0
@@ -223,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-config", help="validate a config file; print every error")
     p.add_argument("file", metavar="FILE")
     p.set_defaults(func=cmd_check_config)
+
+    add_pipeline_commands(sub)  # backtest, record (heavy imports happen inside them)
     return parser
 
 

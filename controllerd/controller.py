@@ -45,7 +45,14 @@ from controllerd.model import (
     decision_to_json,
     layout_to_json,
 )
-from controllerd.policy import PolicyInvalid, below, decide, is_stale, resolve_policy
+from controllerd.policy import (
+    PolicyInvalid,
+    below,
+    decide,
+    inherited_cold_since,
+    is_stale,
+    resolve_policy,
+)
 from controllerd.store import Compare, Put, Store, WatchCompacted
 from controllerd.view import Change, Cooldown, MetadataView, Rejected, TopicState
 
@@ -331,7 +338,8 @@ class Controller:
                 continue
             cold = below(sample.rates, policy.merge_thresholds)
             if cold and sid not in state.cold_since:
-                since = min(sample.changed_at_ms, now)
+                inherited = inherited_cold_since(state.layout, sid, state.cold_since)
+                since = inherited if inherited is not None else min(sample.changed_at_ms, now)
                 state.cold_since[sid] = since
                 await self._store.put(self._keys.cold_since(state.name, sid), str(since).encode())
                 log.info("segment.cold", topic=str(state.name), segment=sid, since_ms=since)
@@ -547,6 +555,7 @@ class Controller:
             return
         self._metrics.operations.labels(op="delete_segment", outcome="ok").inc()
         await self._store.delete(self._keys.load(topic, segment_id))
+        await self._store.delete(self._keys.cold_since(topic, segment_id))
         await self._store.delete(self._keys.pending_delete(topic, descriptor))
         self._metrics.gc_deleted_segments.inc()
         log.info("gc.deleted", topic=str(topic), descriptor=descriptor, existed=existed)

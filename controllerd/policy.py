@@ -184,6 +184,26 @@ def is_cold(sample: LoadSample | None, policy: PolicySettings, now_ms: int) -> b
     )
 
 
+def inherited_cold_since(
+    layout: Layout, segment_id: int, cold_since: Mapping[int, int]
+) -> int | None:
+    """Cold-since a new segment takes over from its parents, or None.
+
+    A merge child of two segments that were each continuously cold covers a
+    range that has been cold since the later of the two; without this every
+    merge would restart the merge window, and merging a cold topic down from
+    n segments would take log2(n) windows instead of one. Only when every
+    parent still has a cold-since (all of them were cold when sealed).
+    """
+    seg = layout.segments.get(segment_id)
+    if seg is None or not seg.parent_ids:
+        return None
+    times = [cold_since.get(pid) for pid in seg.parent_ids]
+    if any(t is None for t in times):
+        return None
+    return max(t for t in times if t is not None)
+
+
 def split_score(rates: Rates, thresholds: Rates) -> tuple[float, str]:
     """Highest rate/threshold ratio and the name of the rate that gave it."""
     ratios = (

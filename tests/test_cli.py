@@ -33,7 +33,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
     return code, (json.loads(out) if code == 0 and out.startswith("{") else out), err
 
 
-def rec(msg_in: float, changed: int = NOW - 600_000, **extra: Any) -> dict[str, Any]:
+def rec(msg_in: float, changed: int = NOW - 3 * 3_600_000, **extra: Any) -> dict[str, Any]:
     return {
         "msgRateIn": msg_in,
         "bytesRateIn": 0,

@@ -42,12 +42,12 @@ def errors_of(text: str, env: dict[str, str] | None = None) -> list[str]:
 # --- defaults and the reference file ----------------------------------------
 
 
-def test_policy_defaults_are_pulsars() -> None:
+def test_policy_defaults_are_pulsars_except_the_merge_window() -> None:
     policy = load("").policy
     assert policy.enabled is True
     assert (policy.min_segments, policy.max_segments, policy.max_dag_depth) == (1, 64, 10)
     assert (policy.split_cooldown_seconds, policy.merge_cooldown_seconds) == (60.0, 300.0)
-    assert policy.merge_window_seconds == 300.0
+    assert policy.merge_window_seconds == 7200.0  # Pulsar: 300; chosen by backtest
     assert policy.split_thresholds == Rates(10_000.0, 50e6, 50_000.0, 250e6)
     assert policy.merge_thresholds == Rates(1_000.0, 5e6, 5_000.0, 25e6)
 

@@ -317,8 +317,11 @@ async def test_one_follow_up_evaluation_when_the_split_cooldown_expires(
         await eventually(lambda: not h.controller.status()["in_flight"])
         for sid in range(1, 9):
             await h.put_load(sid, 20_000.0)  # each child is still 2x over
-        await eventually(lambda: h.count("controllerd_decisions_total", action="none",
-                                         reason="split-cooldown") >= 1)
+        await eventually(
+            lambda: (
+                h.count("controllerd_decisions_total", action="none", reason="split-cooldown") >= 1
+            )
+        )
         assert h.requests("/split/") == 1
         await h.clock.advance(60.0)  # no tick (interval 1e9): the follow-up timer fires
         await eventually(lambda: h.requests("/split/") == 2)
@@ -328,17 +331,22 @@ async def test_cold_since_survives_noisy_records_and_a_new_leader(
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
     async with open_store([etcd_server.endpoint]) as store:
-        async with open_harness(etcd_server.endpoint, etcd_prefix, store=store) as h1:
+        window = "[policy]\nmerge_window_seconds = 300\n"  # Pulsar's, for a short test
+        async with open_harness(
+            etcd_server.endpoint, etcd_prefix, store=store, extra_config=window
+        ) as h1:
             await h1.add_topic(segments=2)
             start = h1.clock.now_ms()
             await h1.put_load(0, COLD)
             await h1.put_load(1, COLD)
-            await eventually(lambda: h1.controller.view.topics[TOPIC].cold_since == {
-                0: start, 1: start})
+            await eventually(
+                lambda: h1.controller.view.topics[TOPIC].cold_since == {0: start, 1: start}
+            )
             kv = await store.get(h1.keys.cold_since(TOPIC, 0))
             assert kv is not None and int(kv.value) == start
-        async with open_harness(etcd_server.endpoint, etcd_prefix, store=store,
-                                replica="test-2") as h2:
+        async with open_harness(
+            etcd_server.endpoint, etcd_prefix, store=store, replica="test-2", extra_config=window
+        ) as h2:
             h2.broker_state.topics[TOPIC] = h1.layout()
             assert h2.controller.view.topics[TOPIC].cold_since == {0: start, 1: start}
             await h2.clock.advance(200.0)

@@ -109,7 +109,8 @@ async def test_one_leader_then_graceful_handover(
         # deleted its key and revoked its lease, and B won on that deletion.
         assert logs.find("election.resigned", token=a.leadership.token, deleted_key=True)
         assert (await logs.wait_for("election.won", identity={"name": "b"}))["after"] == (
-            "key-deleted")
+            "key-deleted"
+        )
         assert await store.keepalive_once(a.leadership.lease_id, timeout=2.0) <= 0
         assert a.leadership.lost.is_set()
         assert not a.leadership.is_leader()
@@ -174,12 +175,15 @@ async def test_lost_when_keepalives_fail_and_resign_survives_etcd_down(
             stopped_at = anyio.current_time()
             await anyio.to_thread.run_sync(etcd_server.stop)
             await leadership.lost.wait()
-            print(f"lost {anyio.current_time() - stopped_at:.3f}s after etcd stopped "
-                  "(ttl 2 s, margin 1 s)")
+            print(
+                f"lost {anyio.current_time() - stopped_at:.3f}s after etcd stopped "
+                "(ttl 2 s, margin 1 s)"
+            )
             assert not leadership.is_leader()
         # Leaving resigned against a dead etcd: bounded, and nothing raised.
     assert (await logs.wait_for("election.lost", token=leadership.token))["reason"] == (
-        "keepalive-timeout")
+        "keepalive-timeout"
+    )
     assert logs.find("election.resign_failed", token=leadership.token)
     await anyio.to_thread.run_sync(etcd_server.start)
 

@@ -17,13 +17,21 @@ from controllerd.model import (
     Rates,
     Split,
 )
-from controllerd.policy import PolicyInvalid, decide, is_cold, resolve_policy
+from controllerd.policy import (
+    PolicyInvalid,
+    decide,
+    inherited_cold_since,
+    is_cold,
+    resolve_policy,
+)
 
 NOW = 10_000_000
-WINDOW_MS = 300_000
+WINDOW_MS = 300_000  # PIP483's merge window
+LONG_AGO = NOW - 3 * 7_200_000  # past every merge window used here
 
 # Pulsar behaviour: every extension off.
 PIP483 = PolicySettings(
+    merge_window_seconds=300,
     max_split_fanout=2,
     min_split_width=1,
     merge_combined_max_ratio=math.inf,
@@ -42,7 +50,7 @@ def sample(
     msg_out: float = 0,
     byte_out: float = 0,
     *,
-    changed: int = NOW - WINDOW_MS,
+    changed: int = LONG_AGO,
     sampled: int | None = None,
     cold_since: int | None = None,
 ) -> LoadSample:
@@ -354,10 +362,10 @@ def test_no_merge_on_stale_load() -> None:
 
 def test_cold_since_supersedes_changed_at() -> None:
     # Noisy but always cold: the record changed a minute ago, cold for an hour.
-    noisy = cold(changed=NOW - 60_000, cold_since=NOW - 3_600_000)
+    noisy = cold(changed=NOW - 60_000, cold_since=NOW - 7_200_000)
     assert is_cold(noisy, OURS, NOW)
     assert isinstance(decide(layout_of(2), {0: noisy, 1: noisy}, {}, OURS, NOW), Merge)
-    recent = cold(changed=NOW - 3_600_000, cold_since=NOW - 1_000)
+    recent = cold(changed=LONG_AGO, cold_since=NOW - 1_000)
     assert not is_cold(recent, OURS, NOW)
     assert not is_cold(cold(changed=NOW - 60_000), OURS, NOW)
 
@@ -448,3 +456,11 @@ def test_no_merge_that_would_leave_a_consumer_without_a_segment() -> None:
     assert isinstance(decide(layout_of(3), loads, {"s": 2}, OURS, NOW), Merge)
     # Pulsar merges, and then splits again for the consumer count.
     assert isinstance(decide(layout_of(3), loads, {"s": 3}, PIP483, NOW), Merge)
+
+
+def test_a_merge_child_inherits_the_later_cold_since_of_its_parents() -> None:
+    lay = merge(layout_of(2), 0, 1, now_ms=0)  # child 2
+    assert inherited_cold_since(lay, 2, {0: 100, 1: 300}) == 300
+    assert inherited_cold_since(lay, 2, {0: 100}) is None  # one parent was not cold
+    assert inherited_cold_since(lay, 0, {0: 100, 1: 300}) is None  # no parents
+    assert inherited_cold_since(lay, 99, {}) is None

@@ -49,9 +49,7 @@ from controllerd.policy import PolicyInvalid, decide, is_stale, resolve_policy, 
 
 NOW0: Final = 1_760_000_000_000
 DEFAULT: Final = PolicySettings()
-FAST: Final = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+FAST: Final = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 T = TypeVar("T")
 
 
@@ -588,10 +586,13 @@ def test_resolve_policy_is_valid_or_invalid(overrides: list[dict[str, Any] | Non
 @given(scenarios(), st.text(min_size=1, max_size=20))
 def test_decide_with_invalid_policy_never_acts(sc: Scenario, detail: str) -> None:
     decision = decide(
-        sc.layout, sc.loads, sc.consumers, PolicyInvalid(detail), sc.now_ms,
-        sc.last_split_ms, sc.last_merge_ms,
+        sc.layout,
+        sc.loads,
+        sc.consumers,
+        PolicyInvalid(detail),
+        sc.now_ms,
+        sc.last_split_ms,
+        sc.last_merge_ms,
     )
     assert isinstance(decision, NoAction)
     assert decision.reason == "policy-invalid"
-
-

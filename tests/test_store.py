@@ -43,8 +43,9 @@ async def _put_many(store: Store, keys: list[str], value: bytes = b"v") -> None:
                 tg.start_soon(store.put, key, value)
 
 
-async def _pump(watch: AsyncIterator[list[WatchEvent]],
-                send: MemoryObjectSendStream[WatchEvent]) -> None:
+async def _pump(
+    watch: AsyncIterator[list[WatchEvent]], send: MemoryObjectSendStream[WatchEvent]
+) -> None:
     async with send:
         async for batch in watch:
             for event in batch:
@@ -56,8 +57,9 @@ async def _receive(events: MemoryObjectReceiveStream[WatchEvent], n: int) -> lis
         return [await events.receive() for _ in range(n)]
 
 
-def _start_watch(tg: TaskGroup, store: Store, prefix: str, revision: int
-                 ) -> MemoryObjectReceiveStream[WatchEvent]:
+def _start_watch(
+    tg: TaskGroup, store: Store, prefix: str, revision: int
+) -> MemoryObjectReceiveStream[WatchEvent]:
     send, receive = anyio.create_memory_object_stream[WatchEvent](10_000)
     tg.start_soon(_pump, store.watch_prefix(prefix, revision), send)
     return receive
@@ -181,8 +183,10 @@ async def test_watch_yields_puts_and_deletes_in_order(store: Store, etcd_prefix:
         await store.put(etcd_prefix + "a", b"1")
         await store.put(etcd_prefix + "b", b"2")
         await store.delete(etcd_prefix + "a")
-        both = await store.txn([Compare.absent(etcd_prefix + "c")],
-                               [Put(etcd_prefix + "c", b"3"), Delete(etcd_prefix + "b")])
+        both = await store.txn(
+            [Compare.absent(etcd_prefix + "c")],
+            [Put(etcd_prefix + "c", b"3"), Delete(etcd_prefix + "b")],
+        )
         await store.put(etcd_prefix.rstrip("/") + "-sibling", b"not under the prefix")
         seen: list[list[WatchEvent]] = []
         with anyio.fail_after(10):
@@ -192,8 +196,11 @@ async def test_watch_yields_puts_and_deletes_in_order(store: Store, etcd_prefix:
                     break
     events = [e for batch in seen for e in batch]
     assert [(e.kind, e.key.removeprefix(etcd_prefix), e.value) for e in events] == [
-        ("put", "a", b"1"), ("put", "b", b"2"), ("delete", "a", b""),
-        ("put", "c", b"3"), ("delete", "b", b""),
+        ("put", "a", b"1"),
+        ("put", "b", b"2"),
+        ("delete", "a", b""),
+        ("put", "c", b"3"),
+        ("delete", "b", b""),
     ]
     batch_of = {e.mod_revision: i for i, batch in enumerate(seen) for e in batch}
     assert all(batch_of[e.mod_revision] == i for i, batch in enumerate(seen) for e in batch)
@@ -304,8 +311,13 @@ async def test_non_transient_error_is_not_retried(etcd_server: EtcdServer) -> No
 
 
 async def test_endpoints_are_validated() -> None:
-    for bad in (["127.0.0.1:2379"], ["ftp://h:1"], ["http://a:1", "http://b:1"],
-                ["http://127.0.0.1:1", "https://127.0.0.1:2"], []):
+    for bad in (
+        ["127.0.0.1:2379"],
+        ["ftp://h:1"],
+        ["http://a:1", "http://b:1"],
+        ["http://127.0.0.1:1", "https://127.0.0.1:2"],
+        [],
+    ):
         with pytest.raises(ValueError):
             async with open_store(bad):
                 pass
@@ -317,9 +329,12 @@ async def test_mutual_tls(tmp_path: Path) -> None:
     await anyio.to_thread.run_sync(server.start)
     try:
         assert server.endpoint.startswith("https://")
-        async with open_store([server.endpoint], ca_file=str(pki.ca),
-                              cert_file=str(pki.client_cert), key_file=str(pki.client_key)
-                              ) as secure:
+        async with open_store(
+            [server.endpoint],
+            ca_file=str(pki.ca),
+            cert_file=str(pki.client_cert),
+            key_file=str(pki.client_key),
+        ) as secure:
             await secure.put("/tls/k", b"v")
             kv = await secure.get("/tls/k")
             assert kv is not None
@@ -346,7 +361,8 @@ async def test_authentication_survives_a_restart(tmp_path: Path) -> None:
             await admin.auth.user_add("ctl", "secret")
             await admin.auth.role_add("ctl")
             await admin.auth.role_grant_permission(
-                "ctl", "/ctl/", b"/ctl0", perm_type=PermissionType.READWRITE)
+                "ctl", "/ctl/", b"/ctl0", perm_type=PermissionType.READWRITE
+            )
             await admin.auth.user_grant_role("ctl", "ctl")
             await admin.auth.auth_enable()
 

@@ -71,17 +71,53 @@ def make_pki(directory: Path) -> Pki:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
-        "-subj", "/CN=controllerd-test-ca")
+    run(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=controllerd-test-ca",
+    )
     for name, usage in (("server", "serverAuth"), ("client", "clientAuth")):
         (directory / f"{name}.ext").write_text(
-            f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n")
-        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/CN=controllerd-test-{name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", f"{name}.ext")
-    return Pki(*(directory / f for f in ("ca.crt", "server.crt", "server.key", "client.crt",
-                                          "client.key")))
+            f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n"
+        )
+        run(
+            "req",
+            *ec,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN=controllerd-test-{name}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+        )
+    return Pki(
+        *(directory / f for f in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key"))
+    )
 
 
 def _free_port() -> int:
@@ -122,17 +158,28 @@ class EtcdServer:
         self._proc = subprocess.Popen(
             [
                 ETCD_BINARY,
-                "--name", "default",
-                "--data-dir", str(self.data_dir),
-                "--listen-client-urls", self.endpoint,
-                "--advertise-client-urls", self.endpoint,
-                "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"default={peer}",
-                "--heartbeat-interval", "10",
-                "--election-timeout", "100",
-                "--logger", "zap",
-                "--log-outputs", "stderr",
+                "--name",
+                "default",
+                "--data-dir",
+                str(self.data_dir),
+                "--listen-client-urls",
+                self.endpoint,
+                "--advertise-client-urls",
+                self.endpoint,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"default={peer}",
+                "--heartbeat-interval",
+                "10",
+                "--election-timeout",
+                "100",
+                "--logger",
+                "zap",
+                "--log-outputs",
+                "stderr",
                 *self._tls_flags(),
             ],
             stdout=self._log,
@@ -144,8 +191,15 @@ class EtcdServer:
     def _tls_flags(self) -> list[str]:
         if self.pki is None:
             return []
-        return ["--cert-file", str(self.pki.server_cert), "--key-file", str(self.pki.server_key),
-                "--client-cert-auth", "--trusted-ca-file", str(self.pki.ca)]
+        return [
+            "--cert-file",
+            str(self.pki.server_cert),
+            "--key-file",
+            str(self.pki.server_key),
+            "--client-cert-auth",
+            "--trusted-ca-file",
+            str(self.pki.ca),
+        ]
 
     def _wait_ready(self) -> None:
         """Readiness probe: poll ``/health`` in a short bounded loop (not a tick)."""

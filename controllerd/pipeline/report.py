@@ -1,0 +1,451 @@
+"""Backtest outputs: ``metrics.csv``, ``operations.csv``, ``report.md`` and PNG plots.
+
+``metrics.csv`` is a scripted contract: one row per trace x variant, columns
+``trace, variant, segment_hours, seconds_above_threshold, excess_load, splits,
+merges, flipflops, peak_segments`` first, more after them. ``report.md``
+compares variants over all traces (sums; the peak is a max), checks each one
+against the baseline (``pip483``) on the issue's targets, and lists the Pareto
+front of cost (segment-hours) against overload (excess load).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, cast
+
+import pandas as pd
+
+from controllerd.pipeline.engines import timeline_of
+from controllerd.pipeline.simulate import METRIC_COLUMNS, Timeline
+
+BASELINE: Final = "pip483"
+SUMMED: Final = (
+    "segment_hours",
+    "seconds_above_threshold",
+    "excess_load",
+    "late_excess_load",
+    "splits",
+    "merges",
+    "operations",
+    "flipflops",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """The issue's bar for a variant against the baseline, over all traces."""
+
+    min_excess_cut: float = 0.5
+    max_cost_ratio: float = 1.25
+
+
+Row = Mapping[str, Any]
+
+
+def totals(metrics: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Per variant (input order): sums over traces, the highest peak and the trace count."""
+    out: dict[str, dict[str, float]] = {}
+    for row in _records(metrics):
+        tot = out.setdefault(
+            str(row["variant"]), dict.fromkeys((*SUMMED, "peak_segments", "traces"), 0.0)
+        )
+        for key in SUMMED:
+            tot[key] += float(row[key])
+        tot["peak_segments"] = max(tot["peak_segments"], float(row["peak_segments"]))
+        tot["traces"] += 1
+    return out
+
+
+def _records(metrics: pd.DataFrame) -> list[dict[str, Any]]:
+    return cast(list[dict[str, Any]], metrics.to_dict("records"))
+
+
+def pareto_front(points: Mapping[str, tuple[float, float]]) -> list[str]:
+    """Names not dominated on (cost, overload), both minimised; in cost order."""
+    front = [
+        name
+        for name, (c, o) in points.items()
+        if not any(
+            (c2 <= c and o2 <= o) and (c2 < c or o2 < o)
+            for other, (c2, o2) in points.items()
+            if other != name
+        )
+    ]
+    return sorted(front, key=lambda n: points[n])
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    variant: str
+    excess_cut: float
+    late_excess_cut: float
+    cost_ratio: float
+    operations: int
+    baseline_operations: int
+    flipflops: int
+    passed: Mapping[str, bool]
+    traces_passing: Mapping[str, int]
+    trace_count: int
+
+    @property
+    def ok(self) -> bool:
+        return all(self.passed.values())
+
+
+def _cut(new: float, old: float) -> float:
+    """Fraction by which ``new`` is below ``old`` (0.6 = 60% less)."""
+    return 1.0 - new / old if old > 0 else (0.0 if new == 0 else -math.inf)
+
+
+def verdicts(
+    metrics: pd.DataFrame, baseline: str = BASELINE, targets: Targets | None = None
+) -> list[Verdict]:
+    """Each variant (but the baseline) against the baseline: totals, and trace by trace."""
+    targets = targets or Targets()
+    tot = totals(metrics)
+    if baseline not in tot:
+        return []
+    base = tot[baseline]
+    rows = _records(metrics)
+    per_base = {r["trace"]: r for r in rows if r["variant"] == baseline}
+    out = []
+    for name, row in tot.items():
+        if name == baseline:
+            continue
+        checks = _checks(row, base, targets)
+        passing = dict.fromkeys(checks, 0)
+        mine = [r for r in rows if r["variant"] == name and r["trace"] in per_base]
+        for r in mine:
+            for key, ok in _checks(r, per_base[r["trace"]], targets).items():
+                passing[key] += ok
+        out.append(
+            Verdict(
+                variant=name,
+                excess_cut=_cut(row["excess_load"], base["excess_load"]),
+                late_excess_cut=_cut(row["late_excess_load"], base["late_excess_load"]),
+                cost_ratio=row["segment_hours"] / base["segment_hours"],
+                operations=int(row["operations"]),
+                baseline_operations=int(base["operations"]),
+                flipflops=int(row["flipflops"]),
+                passed=checks,
+                traces_passing=passing,
+                trace_count=len(mine),
+            )
+        )
+    return out
+
+
+def _checks(row: Row, base: Row, targets: Targets) -> dict[str, bool]:
+    if base["excess_load"] == 0:
+        excess_ok = row["excess_load"] == 0
+    else:
+        excess_ok = _cut(row["excess_load"], base["excess_load"]) >= targets.min_excess_cut
+    return {
+        "excess": bool(excess_ok),
+        "cost": bool(row["segment_hours"] <= targets.max_cost_ratio * base["segment_hours"]),
+        "operations": bool(row["operations"] <= base["operations"]),
+        "flipflops": bool(row["flipflops"] == 0),
+    }
+
+
+# --- files -------------------------------------------------------------------------------
+
+
+def write_metrics(results: pd.DataFrame, path: Path) -> pd.DataFrame:
+    metrics = results[["trace", "variant", *METRIC_COLUMNS]]
+    metrics.to_csv(path, index=False)
+    return metrics
+
+
+def write_operations(results: pd.DataFrame, path: Path) -> None:
+    """Every split and merge each variant made: what the policy *would have done*."""
+    rows: list[dict[str, Any]] = []
+    for r in _records(results[["trace", "variant", "operations_json"]]):
+        for op in json.loads(r["operations_json"]):
+            rows.append(
+                {
+                    "trace": r["trace"],
+                    "variant": r["variant"],
+                    "time": _iso(op["t_ms"]),
+                    **op,
+                }
+            )
+    columns = [
+        "trace",
+        "variant",
+        "time",
+        "t_ms",
+        "action",
+        "start",
+        "end",
+        "reason",
+        "segments_after",
+        "flipflop",
+    ]
+    pd.DataFrame(rows, columns=columns).to_csv(path, index=False)
+
+
+def _iso(t_ms: int) -> str:
+    return dt.datetime.fromtimestamp(t_ms / 1000, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _pct(x: float) -> str:
+    return "n/a" if not math.isfinite(x) else f"{-100 * x:+.1f}%"
+
+
+def render_report(
+    metrics: pd.DataFrame,
+    run_info: Mapping[str, str],
+    plots: Mapping[str, Sequence[str]] | None = None,
+    baseline: str = BASELINE,
+) -> str:
+    """``report.md``: totals, the target check, the Pareto front, per-trace rows, plots."""
+    tot = totals(metrics)
+    lines = ["# Backtest report", ""]
+    lines += [f"- {k}: {v}" for k, v in run_info.items()]
+    lines += [
+        "",
+        "Units: segment-hours of active segments; `excess_load` in threshold-seconds",
+        "(a segment at s times its split threshold for t seconds adds (s-1)·t); `late_excess_load`",
+        "is excess_load without the first interval of each overload, which no policy can",
+        "avoid (the load is reported at its end). Load is measured against the reference",
+        "split thresholds (Pulsar's defaults) whatever the variant's own thresholds.",
+        "",
+        "## Totals over all traces",
+        "",
+    ]
+    has_base = baseline in tot
+    base = tot.get(baseline)
+    rows = []
+    for name, r in tot.items():
+        vs_cost = f"{r['segment_hours'] / base['segment_hours']:.3f}x" if base is not None else ""
+        vs_excess = (
+            _pct(_cut(r["excess_load"], base["excess_load"]))
+            if base is not None and name != baseline
+            else ""
+        )
+        rows.append(
+            [
+                f"`{name}`",
+                f"{r['segment_hours']:.1f}",
+                vs_cost,
+                f"{r['excess_load']:.1f}",
+                vs_excess,
+                f"{r['late_excess_load']:.1f}",
+                f"{r['seconds_above_threshold']:.0f}",
+                int(r["splits"]),
+                int(r["merges"]),
+                int(r["operations"]),
+                int(r["flipflops"]),
+                int(r["peak_segments"]),
+            ]
+        )
+    header = [
+        "variant",
+        "segment_hours",
+        f"vs {baseline}",
+        "excess_load",
+        f"vs {baseline}",
+        "late_excess",
+        "seconds_above",
+        "splits",
+        "merges",
+        "ops",
+        "flipflops",
+        "peak",
+    ]
+    lines += _table(header, rows)
+
+    if has_base:
+        lines += ["", f"## Targets against `{baseline}`", ""]
+        t = Targets()
+        lines += [
+            f"Excess load cut by at least {t.min_excess_cut:.0%}, at most "
+            f"{t.max_cost_ratio}x the segment-hours, no more operations, no flip-flops; "
+            "over all traces (and, in brackets, on how many traces one by one).",
+            "",
+        ]
+        vrows = []
+        for v in verdicts(metrics, baseline):
+            n = v.trace_count
+
+            def mark(key: str, v: Verdict = v, n: int = n) -> str:
+                return f"{'✅' if v.passed[key] else '❌'} ({v.traces_passing[key]}/{n})"
+
+            vrows.append(
+                [
+                    f"`{v.variant}`",
+                    f"{_pct(v.excess_cut)} {mark('excess')}",
+                    f"{_pct(v.late_excess_cut)}",
+                    f"{v.cost_ratio:.3f}x {mark('cost')}",
+                    f"{v.operations} vs {v.baseline_operations} {mark('operations')}",
+                    f"{v.flipflops} {mark('flipflops')}",
+                    "**yes**" if v.ok else "no",
+                ]
+            )
+        lines += _table(
+            [
+                "variant",
+                "excess load",
+                "late excess",
+                "segment-hours",
+                "operations",
+                "flip-flops",
+                "all met",
+            ],
+            vrows,
+        )
+
+    points = {n: (r["segment_hours"], r["excess_load"]) for n, r in tot.items()}
+    front = pareto_front(points)
+    lines += [
+        "",
+        "## Pareto front: cost (segment-hours) vs overload (excess load)",
+        "",
+        "Variants no other variant beats on both; cheapest first.",
+        "",
+    ]
+    lines += _table(
+        ["variant", "segment_hours", "excess_load"],
+        [[f"`{n}`", f"{points[n][0]:.1f}", f"{points[n][1]:.1f}"] for n in front],
+    )
+    if plots and "pareto" in plots:
+        lines += ["", f"![Pareto front]({plots['pareto'][0]})"]
+
+    lines += ["", "## Per trace", ""]
+    per = []
+    for r in _records(metrics):
+        per.append(
+            [
+                r["trace"],
+                f"`{r['variant']}`",
+                f"{r['segment_hours']:.1f}",
+                f"{r['seconds_above_threshold']:.0f}",
+                f"{r['excess_load']:.1f}",
+                f"{r['late_excess_load']:.1f}",
+                int(r["splits"]),
+                int(r["merges"]),
+                int(r["flipflops"]),
+                int(r["peak_segments"]),
+            ]
+        )
+    lines += _table(
+        [
+            "trace",
+            "variant",
+            "segment_hours",
+            "seconds_above",
+            "excess_load",
+            "late_excess",
+            "splits",
+            "merges",
+            "flipflops",
+            "peak",
+        ],
+        per,
+    )
+    if plots:
+        lines += ["", "## Plots", ""]
+        for trace, files in plots.items():
+            if trace == "pareto":
+                continue
+            lines += [f"### {trace}", ""] + [f"![{trace}]({f})" for f in files] + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# --- plots -------------------------------------------------------------------------------
+
+
+def _times(timeline: Timeline) -> list[dt.datetime]:
+    return [dt.datetime.fromtimestamp(t / 1000, tz=dt.UTC) for t in timeline.t_ms]
+
+
+def plot_trace(
+    trace: str, rows: Sequence[tuple[str, Timeline]], path: Path, title_suffix: str = ""
+) -> None:
+    """One panel per variant: hottest segment and topic load (in thresholds), segment count."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 2.2 * len(rows) + 0.6), layout="constrained")
+    axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (variant, tl) in zip(axes, rows, strict=True):
+        times = _times(tl)
+        ax.plot(times, tl.load, color="0.7", linewidth=0.8, label="topic load")
+        ax.plot(times, tl.hottest, color="tab:red", linewidth=0.9, label="hottest segment")
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8, label="split threshold")
+        ax.set_ylabel("load / threshold")
+        ax.set_title(f"{variant}", loc="left", fontsize=9)
+        seg_ax = ax.twinx()
+        seg_ax.step(times, tl.segments, where="post", color="tab:blue", linewidth=0.9)
+        seg_ax.set_ylabel("segments", color="tab:blue")
+        seg_ax.set_ylim(0, max(max(tl.segments, default=1), 1) * 1.15 + 0.5)
+    axes[0].legend(loc="upper left", fontsize=7)
+    fig.suptitle(f"{trace}{title_suffix}", fontsize=11)
+    fig.savefig(path, dpi=90)
+
+
+def plot_pareto(
+    points: Mapping[str, tuple[float, float]], front: Sequence[str], path: Path
+) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 5), layout="constrained")
+    ax = fig.subplots()
+    for name, (c, o) in points.items():
+        ax.scatter([c], [o], color="tab:red" if name in front else "tab:gray")
+        ax.annotate(name, (c, o), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if front:
+        ax.plot(
+            [points[n][0] for n in front],
+            [points[n][1] for n in front],
+            color="tab:red",
+            linewidth=0.8,
+        )
+    ax.set_xlabel("segment-hours (cost)")
+    ax.set_ylabel("excess load, threshold-seconds (overload)")
+    ax.set_title("Pareto front over all traces")
+    fig.savefig(path, dpi=90)
+
+
+def write_plots(results: pd.DataFrame, out: Path) -> dict[str, list[str]]:
+    """PNG files per trace (whole run, and around its peak) and the Pareto plot."""
+    plot_dir = out / "plots"
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    files: dict[str, list[str]] = {}
+    records = _records(results)
+    for trace in dict.fromkeys(r["trace"] for r in records):
+        rows = [r for r in records if r["trace"] == trace]
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(trace))
+        whole = [(str(r["variant"]), timeline_of(r, "tl")) for r in rows]
+        zoom = [(str(r["variant"]), timeline_of(r, "zoom")) for r in rows]
+        plot_trace(str(trace), whole, plot_dir / f"{safe}.png")
+        plot_trace(str(trace), zoom, plot_dir / f"{safe}-peak.png", " (around the peak)")
+        files[str(trace)] = [f"plots/{safe}.png", f"plots/{safe}-peak.png"]
+    tot = totals(results[["trace", "variant", *METRIC_COLUMNS]])
+    points = {n: (r["segment_hours"], r["excess_load"]) for n, r in tot.items()}
+    plot_pareto(points, pareto_front(points), plot_dir / "pareto.png")
+    files["pareto"] = ["plots/pareto.png"]
+    return files
+
+
+def write_outputs(
+    results: pd.DataFrame, out: Path, run_info: Mapping[str, str], *, plots: bool = True
+) -> pd.DataFrame:
+    """Write every output file under ``out``; returns the metrics table."""
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = write_metrics(results, out / "metrics.csv")
+    write_operations(results, out / "operations.csv")
+    plot_files = write_plots(results, out) if plots else None
+    (out / "report.md").write_text(render_report(metrics, run_info, plot_files), encoding="utf-8")
+    return metrics

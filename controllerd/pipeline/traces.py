@@ -1,0 +1,182 @@
+"""Importers: turn a time series or recorded load history into :class:`Trace` inputs.
+
+A CSV series (``timestamp,value`` as in NAB: Twitter mentions per 5 minutes, NYC
+taxi demand per 30 minutes) becomes one topic's load: the value is scaled so
+that the series' peak is ``peak_over_threshold`` times the reference split
+threshold on ``msgRateIn`` (so at the peak a uniform topic needs that many
+segments), and the other three rates follow from a message size and a
+subscription fan-out. The spread over the hash space is chosen at replay time.
+
+A recorder output directory (see :mod:`controllerd.pipeline.history`) becomes
+one ``history`` trace per topic, in the recorded units (no scaling).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from controllerd.model import Rates
+from controllerd.pipeline.load import RateTuple, Trace
+from controllerd.pipeline.variants import REFERENCE_THRESHOLDS
+
+
+class TraceError(ValueError):
+    """A trace cannot be imported; the message names the file and row."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceOptions:
+    #: the series' peak msgRateIn, in multiples of the reference split threshold.
+    peak_over_threshold: float = 4.0
+    #: bytes per message: byteRateIn = msgRateIn * msg_bytes.
+    msg_bytes: float = 1024.0
+    #: subscriptions reading every message: msgRateOut = msgRateIn * out_fanout.
+    out_fanout: float = 1.0
+    #: keep only the first hours of each trace (None = all).
+    max_hours: float | None = None
+    reference: Rates = REFERENCE_THRESHOLDS
+
+
+def _parse_time(text: str) -> int:
+    """``YYYY-MM-DD HH:MM:SS`` (or ISO 8601, or epoch seconds) as UTC epoch milliseconds."""
+    text = text.strip()
+    try:
+        return round(float(text) * 1000)
+    except ValueError:
+        pass
+    stamp = dt.datetime.fromisoformat(text)
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=dt.UTC)
+    return round(stamp.timestamp() * 1000)
+
+
+def read_series_csv(path: str | Path) -> tuple[list[int], list[float]]:
+    """``timestamp,value`` rows (a header row is skipped), sorted by time."""
+    rows: list[tuple[int, float]] = []
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            for lineno, row in enumerate(csv.reader(fh), start=1):
+                if not row or (lineno == 1 and not _is_time(row[0])):
+                    continue  # a header
+                if len(row) < 2:
+                    raise TraceError(f"{path}:{lineno}: expected timestamp,value")
+                try:
+                    rows.append((_parse_time(row[0]), float(row[1])))
+                except ValueError as exc:
+                    raise TraceError(f"{path}:{lineno}: {exc}") from None
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not rows:
+        raise TraceError(f"{path}: no rows")
+    rows.sort(key=lambda r: r[0])
+    if any(v < 0 for _, v in rows):
+        raise TraceError(f"{path}: negative values")
+    return [t for t, _ in rows], [v for _, v in rows]
+
+
+def _is_time(text: str) -> bool:
+    try:
+        _parse_time(text)
+    except ValueError:
+        return False
+    return True
+
+
+def series_trace(
+    name: str, t_ms: Sequence[int], values: Sequence[float], options: TraceOptions
+) -> Trace:
+    """One topic's load from a series (see the module docstring for the scaling)."""
+    if options.max_hours is not None:
+        cut = t_ms[0] + options.max_hours * 3_600_000
+        keep = [i for i, t in enumerate(t_ms) if t <= cut]
+        t_ms, values = [t_ms[i] for i in keep], [values[i] for i in keep]
+    peak = max(values)
+    if peak <= 0:
+        raise TraceError(f"trace {name}: all values are zero")
+    factor = options.peak_over_threshold * options.reference.msg_rate_in / peak
+    rates: list[RateTuple] = []
+    for v in values:
+        msgs = v * factor
+        rates.append(
+            (
+                msgs,
+                msgs * options.msg_bytes,
+                msgs * options.out_fanout,
+                msgs * options.msg_bytes * options.out_fanout,
+            )
+        )
+    n = len(rates)
+    return Trace(name, "series", list(t_ms), [0] * n, [0xFFFF] * n, rates)
+
+
+def import_csv(path: str | Path, options: TraceOptions) -> Trace:
+    t_ms, values = read_series_csv(path)
+    return series_trace(Path(path).stem, t_ms, values, options)
+
+
+def import_history(root: str | Path, options: TraceOptions) -> list[Trace]:
+    """One ``history`` trace per recorded topic (rows without a known range are skipped)."""
+    from controllerd.pipeline.history import LOADS, read_table
+
+    table = read_table(root, LOADS).to_pydict()
+    by_topic: dict[str, list[int]] = {}
+    for i, (topic, start) in enumerate(zip(table["topic"], table["range_start"], strict=True)):
+        if start is not None:
+            by_topic.setdefault(topic, []).append(i)
+    traces = []
+    for topic, indices in sorted(by_topic.items()):
+        rows = sorted(indices, key=lambda i: (table["t_ms"][i], table["mod_revision"][i]))
+        if options.max_hours is not None:
+            cut = table["t_ms"][rows[0]] + options.max_hours * 3_600_000
+            rows = [i for i in rows if table["t_ms"][i] <= cut]
+        traces.append(
+            Trace(
+                topic,
+                "history",
+                [table["t_ms"][i] for i in rows],
+                [table["range_start"][i] for i in rows],
+                [table["range_end"][i] for i in rows],
+                [
+                    (
+                        table["msg_rate_in"][i],
+                        table["byte_rate_in"][i],
+                        table["msg_rate_out"][i],
+                        table["byte_rate_out"][i],
+                    )
+                    for i in rows
+                ],
+            )
+        )
+    return traces
+
+
+def discover(paths: Iterable[str | Path], options: TraceOptions) -> list[Trace]:
+    """Every trace named: CSV files, directories of CSV files, recorder output directories.
+
+    Names must be unique across the run (the file stem or the topic name).
+    """
+    from controllerd.pipeline.history import is_history
+
+    traces: list[Trace] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir() and is_history(path):
+            traces.extend(import_history(path, options))
+        elif path.is_dir():
+            files = sorted(path.glob("*.csv"))
+            if not files:
+                raise TraceError(f"{path}: no *.csv files and no recorded history")
+            traces.extend(import_csv(f, options) for f in files)
+        elif path.is_file():
+            traces.append(import_csv(path, options))
+        else:
+            raise TraceError(f"{path}: no such file or directory")
+    names = [t.name for t in traces]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise TraceError(f"trace names must be unique; repeated: {', '.join(dupes)}")
+    return traces
