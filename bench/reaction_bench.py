@@ -25,10 +25,10 @@ from pathlib import Path
 
 import anyio
 
-from controllerd.model import Layout, TopicName
+from controllerd.model import TopicName
 from controllerd.store import Store, open_store
 from controllerd.view import Keys
-from tests.support.broker import TestBrokerState, layout_json, serve_test_broker
+from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 from tests.support.daemon import Replica, replicas, wait_until
 from tests.support.etcd import EtcdServer
 
@@ -103,11 +103,7 @@ async def main_async(args: argparse.Namespace) -> None:
             keys = Keys("/bench/pulsar", "/bench/controllerd/default")
             state = TestBrokerState(profile="reference")
 
-            async def mirror(topic: TopicName, layout: Layout | None) -> None:
-                if layout is not None:
-                    await store.put(keys.layout(topic), layout_json(layout))
-
-            state.on_layout_change = mirror
+            state.on_layout_change = mirror_into(store, keys)
             async with serve_test_broker(state) as url:
                 for settle in (0.05, 0.0):
                     extra = f"[autoscale]\nconsumer_settle_seconds = {settle}\n"

@@ -18,7 +18,7 @@ import pytest
 from controllerd.model import Layout, TopicName
 from controllerd.store import Store
 from controllerd.view import Keys
-from tests.support.broker import TestBrokerState, layout_json, serve_test_broker
+from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 from tests.support.daemon import Replica, replicas, wait_until
 from tests.support.etcd import EtcdServer
 
@@ -71,11 +71,7 @@ async def cluster(
     keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd/default")
     state = TestBrokerState(profile="reference")
 
-    async def mirror(topic: TopicName, layout: Layout | None) -> None:
-        if layout is not None:
-            await store.put(keys.layout(topic), layout_json(layout))
-
-    state.on_layout_change = mirror
+    state.on_layout_change = mirror_into(store, keys)
     async with (
         serve_test_broker(state) as url,
         replicas(

@@ -43,7 +43,7 @@ from controllerd.model import Layout, TopicName
 from controllerd.runtime import SHUTDOWN_DEADLINE
 from controllerd.store import Store
 from controllerd.view import Keys
-from tests.support.broker import TestBrokerState, layout_json, serve_test_broker
+from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 from tests.support.daemon import Replica, wait_until, write_config
 from tests.support.etcd import EtcdServer
 from tests.support.kafka import free_port
@@ -648,11 +648,7 @@ def make_supervised(
         keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd/default")
         state = TestBrokerState(profile="reference")
 
-        async def mirror(topic: TopicName, layout: Layout | None) -> None:
-            if layout is not None:
-                await store.put(keys.layout(topic), layout_json(layout))
-
-        state.on_layout_change = mirror
+        state.on_layout_change = mirror_into(store, keys)
         with notify_socket(tmp_path) as notify:
             async with serve_test_broker(state) as url:
                 port = free_port()

@@ -52,6 +52,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controllerd.layout import LayoutError, initial_layout, merge, prune, split
 from controllerd.model import Layout, TopicName, layout_to_json
+from controllerd.store import Store
+from controllerd.view import Keys
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 LayoutHook = Callable[[TopicName, Layout | None], Awaitable[None] | None]
@@ -457,3 +459,15 @@ async def serve_test_broker(state: TestBrokerState) -> AsyncIterator[str]:
 def layout_json(layout: Layout) -> bytes:
     """The layout as the broker writes it to the metadata store (for ``on_layout_change``)."""
     return json.dumps(layout_to_json(layout)).encode()
+
+
+def mirror_into(store: Store, keys: Keys) -> LayoutHook:
+    """A hook that writes every layout to etcd as a Pulsar broker would (deletes on delete)."""
+
+    async def mirror(topic: TopicName, layout: Layout | None) -> None:
+        if layout is None:
+            await store.delete(keys.layout(topic))
+        else:
+            await store.put(keys.layout(topic), layout_json(layout))
+
+    return mirror

@@ -26,7 +26,7 @@ from controllerd.metrics import Metrics
 from controllerd.model import Layout, TopicName
 from controllerd.store import Store, open_store
 from controllerd.view import Keys, MetadataView
-from tests.support.broker import TestBrokerState, layout_json, serve_test_broker
+from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 
 TOPIC = TopicName("acme", "ns", "orders")
 
@@ -153,15 +153,7 @@ async def open_harness(
             store = await stack.enter_async_context(
                 open_store([endpoint], timeout=2.0, retry_for=5.0)
             )
-        opened_store = store
-
-        async def mirror(topic: TopicName, layout: Layout | None) -> None:
-            if layout is None:
-                await opened_store.delete(keys.layout(topic))
-            else:
-                await opened_store.put(keys.layout(topic), layout_json(layout))
-
-        state.on_layout_change = mirror
+        state.on_layout_change = mirror_into(store, keys)
         url = await stack.enter_async_context(serve_test_broker(state))
         broker = await stack.enter_async_context(
             BrokerClient(url, profile=state.profile, timeout=2.0, max_retries=0)
