@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from controllerd.layout import initial_layout, merge, split
-from controllerd.model import Decision, Layout, LoadSample, PolicySettings, Rates
-from controllerd.policy import PolicyInvalid, decide, resolve_policy
+from controllerd.core.layout import initial_layout, merge, split
+from controllerd.core.model import Decision, Layout, LoadSample, PolicySettings, Rates
+from controllerd.core.policy import PolicyInvalid, decide, resolve_policy
 
 NOW_MS: Final = 1_760_000_000_000
 BASE: Final = PolicySettings()

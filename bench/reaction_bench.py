@@ -25,9 +25,9 @@ from pathlib import Path
 
 import anyio
 
-from controllerd.model import TopicName
-from controllerd.store import Store, open_store
-from controllerd.view import Keys
+from controllerd.adapters.store import Store, open_store
+from controllerd.core.model import TopicName
+from controllerd.core.view import Keys
 from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 from tests.support.daemon import Replica, replicas, wait_until
 from tests.support.etcd import EtcdServer

@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from controllerd import config as config_mod
-from controllerd import layout as layout_mod
-from controllerd.model import (
+from controllerd.core import layout as layout_mod
+from controllerd.core.model import (
     LoadSample,
     ModelError,
     decision_to_json,
     layout_from_json,
     load_sample_from_json,
 )
+from controllerd.core.policy import decide, resolve_policy
 from controllerd.pipeline.cli import add_commands as add_pipeline_commands
-from controllerd.policy import decide, resolve_policy
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -142,7 +142,7 @@ def _config_path(args: argparse.Namespace) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     import anyio
 
-    from controllerd import runtime
+    from controllerd.daemon import runtime
 
     path = _config_path(args)
     _load_config(path, EXIT_BAD_INPUT)  # refuse an invalid config before starting anything
@@ -152,7 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import anyio
 
-    from controllerd import runtime
+    from controllerd.daemon import runtime
 
     path = _config_path(args)
     _load_config(path, EXIT_BAD_INPUT)

@@ -18,7 +18,7 @@ import types
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Any, Final, Union, get_args, get_origin, get_type_hints
 
-from controllerd.model import PolicySettings
+from controllerd.core.model import PolicySettings
 
 if TYPE_CHECKING:
     import os

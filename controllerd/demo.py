@@ -37,12 +37,12 @@ from typing import Any, TextIO
 import anyio
 import httpx
 
-from controllerd.broker import BrokerClient
-from controllerd.logs import configure_logging
-from controllerd.model import TopicName
+from controllerd.adapters.broker import BrokerClient
+from controllerd.adapters.store import Store, open_store
+from controllerd.core.model import TopicName
+from controllerd.core.view import Keys
+from controllerd.daemon.logs import configure_logging
 from controllerd.refbroker.client import open_consumer, open_producer
-from controllerd.store import Store, open_store
-from controllerd.view import Keys
 
 TOPIC = TopicName("demo", "default", "orders")
 

@@ -13,10 +13,10 @@ from typing import Any
 import anyio
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from controllerd.audit import AuditSink, open_audit
+from controllerd.adapters.audit import AuditSink, open_audit
 from controllerd.config import AuditSettings
-from controllerd.metrics import Metrics
-from controllerd.model import Split, decision_to_json
+from controllerd.core.model import Split, decision_to_json
+from controllerd.daemon.metrics import Metrics
 from tests.support.kafka import free_port, kafka_broker, run_tansu  # noqa: F401
 
 
@@ -64,7 +64,7 @@ async def test_records_arrive_as_json(kafka_broker: str) -> None:  # noqa: F811
     topic = f"controllerd.decisions.{uuid.uuid4().hex}"
     settings = AuditSettings(kafka_bootstrap=kafka_broker, topic=topic)
     metrics = Metrics()
-    async with open_audit(settings, metrics) as sink:
+    async with open_audit(settings, metrics.audit_messages) as sink:
         for n in range(3):
             sink.publish(_record("t/ns/a", n))
         # Any Mapping is an object; JSON has no infinity, so it becomes a string.
@@ -83,7 +83,7 @@ async def test_unserialisable_record_is_an_error_not_an_exception(
 ) -> None:
     settings = AuditSettings(kafka_bootstrap=kafka_broker, topic=f"audit.{uuid.uuid4().hex}")
     metrics = Metrics()
-    async with open_audit(settings, metrics) as sink:
+    async with open_audit(settings, metrics.audit_messages) as sink:
         sink.publish({"topic": "t/ns/a", "inputs": object()})
     assert _count(metrics, "error") == 1
     assert _count(metrics, "sent") == 0
@@ -94,7 +94,7 @@ async def test_kafka_down_never_blocks_publish() -> None:
         kafka_bootstrap=f"127.0.0.1:{free_port()}", topic="decisions", buffer_size=100
     )
     metrics = Metrics()
-    async with open_audit(settings, metrics, close_timeout=0.5) as sink:
+    async with open_audit(settings, metrics.audit_messages, close_timeout=0.5) as sink:
         started = time.perf_counter()
         for n in range(5000):
             sink.publish(_record("t/ns/a", n))
@@ -112,7 +112,9 @@ async def test_buffered_records_are_delivered_once_kafka_is_up(tmp_path: Path) -
     bootstrap = f"127.0.0.1:{port}"
     topic = f"audit.{uuid.uuid4().hex}"
     metrics = Metrics()
-    async with open_audit(AuditSettings(kafka_bootstrap=bootstrap, topic=topic), metrics) as sink:
+    async with open_audit(
+        AuditSettings(kafka_bootstrap=bootstrap, topic=topic), metrics.audit_messages
+    ) as sink:
         for n in range(5):
             sink.publish(_record("t/ns/a", n))
         await anyio.sleep(0.5)  # a few failed connection attempts
@@ -126,7 +128,7 @@ async def test_buffered_records_are_delivered_once_kafka_is_up(tmp_path: Path) -
 
 async def test_unconfigured_sink_is_a_no_op() -> None:
     metrics = Metrics()
-    async with open_audit(AuditSettings(), metrics) as sink:
+    async with open_audit(AuditSettings(), metrics.audit_messages) as sink:
         assert type(sink) is AuditSink
         sink.publish(_record("t/ns/a", 0))
     for outcome in ("sent", "dropped", "error"):

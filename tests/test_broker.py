@@ -12,7 +12,7 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from controllerd.broker import (
+from controllerd.adapters.broker import (
     BrokerBug,
     BrokerClient,
     BrokerError,
@@ -26,8 +26,8 @@ from controllerd.broker import (
     as_profile,
 )
 from controllerd.config import BROKER_PROFILES
-from controllerd.layout import initial_layout, split
-from controllerd.model import Layout, layout_to_json
+from controllerd.core.layout import initial_layout, split
+from controllerd.core.model import Layout, layout_to_json
 from tests.support.broker import TestBrokerState, make_test_broker_app, serve_test_broker
 
 TOPIC = TopicName("acme", "ns", "orders")

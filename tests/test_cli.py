@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from controllerd.cli import main
-from controllerd.layout import initial_layout
-from controllerd.model import layout_to_json
+from controllerd.core.layout import initial_layout
+from controllerd.core.model import layout_to_json
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOW = 1_760_000_400_000

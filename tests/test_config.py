@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from controllerd import config as cfg
 from controllerd.config import Config, ConfigError, load, load_file, restart_required, to_dict
-from controllerd.model import PolicySettings, Rates
+from controllerd.core.model import PolicySettings, Rates
 
 REFERENCE = Path(__file__).resolve().parent.parent / "config" / "controllerd.toml"
 

@@ -9,12 +9,12 @@ from typing import Any
 import anyio
 import pytest
 
-from controllerd.audit import AuditSink
-from controllerd.controller import Controller
-from controllerd.election import Leadership, current_leader
-from controllerd.layout import prune
-from controllerd.model import Decision, TopicName, layout_from_json
-from controllerd.store import Store, open_store
+from controllerd.adapters.audit import AuditSink
+from controllerd.adapters.election import Leadership, current_leader
+from controllerd.adapters.store import Store, open_store
+from controllerd.core.layout import prune
+from controllerd.core.model import Decision, TopicName, layout_from_json
+from controllerd.daemon.controller import Controller
 from tests.support.broker import layout_json
 from tests.support.etcd import EtcdServer
 from tests.support.harness import TOPIC, Harness, eventually, make_config, open_harness

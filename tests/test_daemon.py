@@ -15,9 +15,9 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from controllerd.model import Layout, TopicName
-from controllerd.store import Store
-from controllerd.view import Keys
+from controllerd.adapters.store import Store
+from controllerd.core.model import Layout, TopicName
+from controllerd.core.view import Keys
 from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 from tests.support.daemon import Replica, replicas, wait_until
 from tests.support.etcd import EtcdServer

@@ -38,11 +38,11 @@ import pytest
 import yaml
 
 from controllerd import config as config_mod
-from controllerd.metrics import Metrics
-from controllerd.model import Layout, TopicName
-from controllerd.runtime import SHUTDOWN_DEADLINE
-from controllerd.store import Store
-from controllerd.view import Keys
+from controllerd.adapters.store import Store
+from controllerd.core.model import Layout, TopicName
+from controllerd.core.view import Keys
+from controllerd.daemon.metrics import Metrics
+from controllerd.daemon.runtime import SHUTDOWN_DEADLINE
 from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 from tests.support.daemon import Replica, wait_until, write_config
 from tests.support.etcd import EtcdServer

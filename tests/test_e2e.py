@@ -19,13 +19,13 @@ from pathlib import Path
 import anyio
 
 from controllerd import config as config_mod
-from controllerd.broker import BrokerClient
-from controllerd.layout import violations
-from controllerd.model import Layout, TopicName, layout_from_json
+from controllerd.adapters.broker import BrokerClient
+from controllerd.adapters.store import Store
+from controllerd.core.layout import violations
+from controllerd.core.model import Layout, TopicName, layout_from_json
+from controllerd.core.view import Keys
 from controllerd.refbroker.client import Producer, open_consumer, open_producer
 from controllerd.refbroker.main import BrokerOptions, serve
-from controllerd.store import Store
-from controllerd.view import Keys
 from tests.support.daemon import Replica, replicas, wait_until
 from tests.support.etcd import EtcdServer
 

@@ -9,8 +9,8 @@ import anyio
 import pytest
 import structlog
 
-from controllerd.election import Leadership, current_leader, fenced, lead
-from controllerd.store import Put, Store, open_store
+from controllerd.adapters.election import Leadership, current_leader, fenced, lead
+from controllerd.adapters.store import Put, Store, open_store
 from tests.support.etcd import (  # noqa: F401 - fixtures
     EtcdServer,
     etcd_prefix_fixture,

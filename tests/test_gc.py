@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from controllerd import gc
-from controllerd.layout import initial_layout, prune, split, violations
-from controllerd.model import Layout
+from controllerd.core import gc
+from controllerd.core.layout import initial_layout, prune, split, violations
+from controllerd.core.model import Layout
 
 DAY_MS = 86_400_000
 SEALED_AT = 1_000

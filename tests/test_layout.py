@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from controllerd.layout import (
+from controllerd.core.layout import (
     LayoutError,
     check,
     equal_boundaries,
@@ -19,7 +19,7 @@ from controllerd.layout import (
     split,
     violations,
 )
-from controllerd.model import (
+from controllerd.core.model import (
     HashRange,
     Layout,
     ModelError,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from controllerd.loadreport import ReportRule, WriteReason, should_write
-from controllerd.model import PolicySettings, Rates
+from controllerd.core.loadreport import ReportRule, WriteReason, should_write
+from controllerd.core.model import PolicySettings, Rates
 
 POLICY = PolicySettings()
 RULE = ReportRule(POLICY.split_thresholds, POLICY.merge_thresholds)

@@ -20,9 +20,9 @@ import pytest
 import structlog
 import uvicorn.config
 
-from controllerd.logs import configure_logging
-from controllerd.metrics import Metrics
-from controllerd.ops import make_ops_app, serve_ops
+from controllerd.daemon.logs import configure_logging
+from controllerd.daemon.metrics import Metrics
+from controllerd.daemon.ops import make_ops_app, serve_ops
 
 
 class _Controller:

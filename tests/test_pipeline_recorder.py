@@ -12,16 +12,16 @@ import anyio
 from aiokafka import AIOKafkaProducer
 
 from controllerd import config as config_mod
-from controllerd.layout import initial_layout, split
-from controllerd.model import layout_to_json
+from controllerd.adapters.store import Store
+from controllerd.core.layout import initial_layout, split
+from controllerd.core.model import layout_to_json
+from controllerd.core.view import Keys
 from controllerd.pipeline.history import DECISIONS, LAYOUTS, LOADS, read_table
 from controllerd.pipeline.load import Skew, source_for
 from controllerd.pipeline.recorder import ParquetSink, Recorder, follow_audit, record_from_config
 from controllerd.pipeline.simulate import simulate
 from controllerd.pipeline.traces import TraceOptions, import_history
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, controllerd
-from controllerd.store import Store
-from controllerd.view import Keys
 from tests.support.etcd import EtcdServer
 
 HOUR_MS = 3_600_000

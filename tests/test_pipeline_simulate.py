@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controllerd.config import LoadReportSettings
-from controllerd.model import PolicySettings
+from controllerd.core.model import PolicySettings
 from controllerd.pipeline.load import HistoryLoad, Skew, Trace, source_for
 from controllerd.pipeline.simulate import SimResult, Strategy, simulate
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, controllerd, pip483, static

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from controllerd.config import LoadReportSettings
-from controllerd.model import PolicySettings
+from controllerd.core.model import PolicySettings
 from controllerd.pipeline.variants import (
     PULSAR_POLICY,
     VariantError,

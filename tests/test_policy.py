@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from controllerd.layout import initial_layout, merge, split
-from controllerd.model import (
+from controllerd.core.layout import initial_layout, merge, split
+from controllerd.core.model import (
     Layout,
     LoadSample,
     Merge,
@@ -17,7 +17,7 @@ from controllerd.model import (
     Rates,
     Split,
 )
-from controllerd.policy import (
+from controllerd.core.policy import (
     PolicyInvalid,
     decide,
     inherited_cold_since,

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from controllerd import gc
-from controllerd.layout import (
+from controllerd.core import gc
+from controllerd.core.layout import (
     LayoutError,
     apply,
     equal_boundaries,
@@ -30,7 +30,7 @@ from controllerd.layout import (
     split,
     violations,
 )
-from controllerd.model import (
+from controllerd.core.model import (
     HASH_MAX,
     RATE_NAMES,
     Decision,
@@ -45,7 +45,7 @@ from controllerd.model import (
     layout_from_json,
     layout_to_json,
 )
-from controllerd.policy import PolicyInvalid, decide, is_stale, resolve_policy, split_score
+from controllerd.core.policy import PolicyInvalid, decide, is_stale, resolve_policy, split_score
 
 NOW0: Final = 1_760_000_000_000
 DEFAULT: Final = PolicySettings()

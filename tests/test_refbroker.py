@@ -14,15 +14,15 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
 from controllerd import config as config_mod
-from controllerd.broker import BrokerClient, Conflict, Fenced, NotFound, PreconditionFailed
-from controllerd.clock import ManualClock
-from controllerd.layout import violations
-from controllerd.model import TopicName, layout_from_json
+from controllerd.adapters.broker import BrokerClient, Conflict, Fenced, NotFound, PreconditionFailed
+from controllerd.adapters.store import Store
+from controllerd.core.layout import violations
+from controllerd.core.model import TopicName, layout_from_json
+from controllerd.core.view import Keys
+from controllerd.daemon.clock import ManualClock
 from controllerd.refbroker.main import BrokerOptions, serve
 from controllerd.refbroker.naming import seal_key, segment_topic, subscription_group
 from controllerd.refbroker.reporter import LoadReporter
-from controllerd.store import Store
-from controllerd.view import Keys
 from tests.support.etcd import EtcdServer
 
 TOPIC = TopicName("acme", "ns", "orders")
@@ -175,7 +175,7 @@ async def test_the_load_reporter_measures_rates_from_kafka(
         await ref.client.create_topic(TOPIC, 1)
         await ref.client.create_subscription(TOPIC, "s", "STREAM")
         cfg = config_mod.Config()
-        from controllerd.loadreport import ReportRule
+        from controllerd.core.loadreport import ReportRule
         from controllerd.refbroker.kafka import open_kafka
 
         rule = ReportRule(cfg.policy.split_thresholds, cfg.policy.merge_thresholds)

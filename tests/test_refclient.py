@@ -22,8 +22,17 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from anyio.abc import TaskStatus
 
-from controllerd.layout import initial_layout, merge, split
-from controllerd.model import HashRange, Layout, Segment, SegmentState, TopicName, layout_to_json
+from controllerd.adapters.store import Store
+from controllerd.core.layout import initial_layout, merge, split
+from controllerd.core.model import (
+    HashRange,
+    Layout,
+    Segment,
+    SegmentState,
+    TopicName,
+    layout_to_json,
+)
+from controllerd.core.view import Keys
 from controllerd.refbroker.client import (
     Consumer,
     Message,
@@ -40,8 +49,6 @@ from controllerd.refbroker.naming import (
     segment_topic,
     subscription_group,
 )
-from controllerd.store import Store
-from controllerd.view import Keys
 
 
 async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:

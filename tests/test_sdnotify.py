@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controllerd import sdnotify
+from controllerd.adapters import sdnotify
 
 
 @pytest.fixture

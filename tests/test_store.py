@@ -12,7 +12,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from etcd3aio import Etcd3Client, PermissionType
 
-from controllerd.store import (
+from controllerd.adapters.store import (
     Compare,
     Delete,
     KeyValue,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from controllerd.layout import initial_layout, split
-from controllerd.model import TopicName, layout_to_json
-from controllerd.view import Change, Cooldown, Keys, MetadataView, Rejected, seeded_cooldown
+from controllerd.core.layout import initial_layout, split
+from controllerd.core.model import TopicName, layout_to_json
+from controllerd.core.view import Change, Cooldown, Keys, MetadataView, Rejected, seeded_cooldown
 
 KEYS = Keys("/pulsar", "/controllerd/default")
 T = TopicName("acme", "ns", "orders")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import pandas as pd
 
-from controllerd.model import Rates
+from controllerd.core.model import Rates
 from controllerd.pipeline.load import Skew, Trace, source_for
 from controllerd.pipeline.simulate import METRIC_COLUMNS, SimResult, Strategy, Timeline, simulate
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, Variant

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
-from controllerd.model import HASH_MAX, HASH_SPACE, Rates
+from controllerd.core.model import HASH_MAX, HASH_SPACE, Rates
 
 RateTuple = tuple[float, float, float, float]
 TraceKind = Literal["series", "history"]

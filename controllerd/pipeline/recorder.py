@@ -2,7 +2,7 @@
 
 The recorder reads the topics prefix once (one consistent snapshot) and then
 follows it with one watch from the snapshot's revision, so no change between
-the two is lost (:meth:`controllerd.store.Store.watch_prefix`). Layouts become
+the two is lost (:meth:`controllerd.adapters.store.Store.watch_prefix`). Layouts become
 ``layouts`` rows and tell it each segment's hash range; load records become
 ``loads`` rows carrying that range, so a recorded history replays on its own
 (:func:`controllerd.pipeline.traces.import_history`). When ``[audit]`` names a
@@ -28,12 +28,12 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from controllerd.clock import SystemClock
+from controllerd.adapters.store import Store, open_store
 from controllerd.config import Config
-from controllerd.model import ModelError, layout_from_json, load_sample_from_json
+from controllerd.core.model import ModelError, layout_from_json, load_sample_from_json
+from controllerd.core.view import Keys
+from controllerd.daemon.clock import SystemClock
 from controllerd.pipeline.history import DECISIONS, LAYOUTS, LOADS, write_rows
-from controllerd.store import Store, open_store
-from controllerd.view import Keys
 
 log = structlog.get_logger(__name__)
 
@@ -179,7 +179,7 @@ class Recorder:
 
 
 def decision_row(record: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``decisions`` row from an audit record (see :mod:`controllerd.audit`)."""
+    """A ``decisions`` row from an audit record (see :mod:`controllerd.adapters.audit`)."""
     decision = record.get("decision") or {}
     if not isinstance(decision, Mapping) or not isinstance(record.get("ts_ms"), int):
         raise ValueError("audit record without decision or ts_ms")

@@ -9,15 +9,15 @@ is the same instant). At step ``t``:
    ``t`` is what the segments carried *before* any decision taken at ``t``.
    Every overload therefore costs at least one interval, for every policy.
 2. **Report**: each active segment's reporter applies
-   :func:`controllerd.loadreport.should_write` (materiality gate, threshold
+   :func:`controllerd.core.loadreport.should_write` (materiality gate, threshold
    crossing, heartbeat) to decide whether etcd's record changes. The policy
    sees only records, never the true load: that is how a 25% gate hides a
    segment running above its split threshold (DESIGN §8.2).
 3. **Track cold-since** exactly like the controller (DESIGN §8.1), when the
    strategy does: on the record being below every merge threshold, remember
    ``min(changedAtMs, now)``; forget it when the record is not.
-4. **Decide** with :func:`controllerd.policy.decide` and **apply** with
-   :func:`controllerd.layout.apply`; a split or merge happens at ``t`` and its
+4. **Decide** with :func:`controllerd.core.policy.decide` and **apply** with
+   :func:`controllerd.core.layout.apply`; a split or merge happens at ``t`` and its
    new segments report from ``t + dt`` on. The new layout is decided on again
    at once (the daemon's layout watch does the same), so cooldowns, not the
    step, limit how many operations one instant sees.
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from controllerd.config import LoadReportSettings
-from controllerd.layout import apply, check, initial_layout, prune
-from controllerd.loadreport import ReportRule, WriteReason, should_write
-from controllerd.model import Layout, LoadSample, Merge, PolicySettings, Rates, Split
+from controllerd.core.layout import apply, check, initial_layout, prune
+from controllerd.core.loadreport import ReportRule, WriteReason, should_write
+from controllerd.core.model import Layout, LoadSample, Merge, PolicySettings, Rates, Split
+from controllerd.core.policy import below, decide, inherited_cold_since, is_stale
 from controllerd.pipeline.load import LoadSource
-from controllerd.policy import below, decide, inherited_cold_since, is_stale
 
 FLIPFLOP_WINDOW_MS: Final = 30 * 60 * 1000
 """A merge undone by a split of the same range (or the reverse) within this is a flip-flop."""
@@ -190,7 +190,7 @@ def simulate(
     Args:
         reference: the split thresholds that stand for segment capacity in the metrics.
         check_layout: verify the layout invariants after every change (tests);
-            raises :class:`controllerd.layout.LayoutError` on a violation.
+            raises :class:`controllerd.core.layout.LayoutError` on a violation.
     """
     policy, report = strategy.policy, strategy.report
     rule = ReportRule(

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from controllerd.model import Rates
+from controllerd.core.model import Rates
 from controllerd.pipeline.load import RateTuple, Trace
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS
 

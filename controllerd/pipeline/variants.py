@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar, get_type_hints
 
 from controllerd.config import AutoscaleSettings, GcSettings, LoadReportSettings
-from controllerd.model import PolicySettings, Rates
+from controllerd.core.model import PolicySettings, Rates
 from controllerd.pipeline.simulate import Strategy
 
 PULSAR_POLICY: Final = PolicySettings(

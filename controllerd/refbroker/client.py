@@ -95,16 +95,16 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
-from controllerd.layout import LayoutError, check
-from controllerd.model import Layout, ModelError, TopicName, layout_from_json
+from controllerd.adapters.store import LeaseNotFound, Store, StoreError, WatchCompacted
+from controllerd.core.layout import LayoutError, check
+from controllerd.core.model import Layout, ModelError, TopicName, layout_from_json
+from controllerd.core.view import Keys
 from controllerd.refbroker.naming import (
     check_name_part,
     key_hash,
     segment_topic,
     subscription_group,
 )
-from controllerd.store import LeaseNotFound, Store, StoreError, WatchCompacted
-from controllerd.view import Keys
 
 __all__ = [
     "Consumer",

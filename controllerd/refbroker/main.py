@@ -11,15 +11,15 @@ import anyio.abc
 import structlog
 
 from controllerd import config as config_mod
-from controllerd.clock import Clock, SystemClock
-from controllerd.loadreport import ReportRule
-from controllerd.logs import configure_logging
-from controllerd.ops import serve_ops
+from controllerd.adapters.store import open_store
+from controllerd.core.loadreport import ReportRule
+from controllerd.core.view import Keys
+from controllerd.daemon.clock import Clock, SystemClock
+from controllerd.daemon.logs import configure_logging
+from controllerd.daemon.ops import serve_ops
 from controllerd.refbroker.kafka import open_kafka
 from controllerd.refbroker.reporter import LoadReporter
 from controllerd.refbroker.server import RefBroker, make_app
-from controllerd.store import open_store
-from controllerd.view import Keys
 
 log = structlog.get_logger("controllerd.refbroker")
 

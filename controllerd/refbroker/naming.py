@@ -12,8 +12,8 @@ from typing import Final
 
 import mmh3
 
-from controllerd.model import TopicName
-from controllerd.view import Keys
+from controllerd.core.model import TopicName
+from controllerd.core.view import Keys
 
 __all__ = ["check_name_part", "key_hash", "seal_key", "segment_topic", "subscription_group"]
 

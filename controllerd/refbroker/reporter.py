@@ -4,7 +4,7 @@ Rates come from Kafka: ``msgRateIn`` from the growth of the segment's end
 offset, ``msgRateOut`` from the growth of the subscriptions' committed offsets
 (summed, as Pulsar sums its dispatch rates), byte rates from those times the
 mean size of the segment's newest messages. Whether a record is written is the
-core's :func:`controllerd.loadreport.should_write` (materiality, threshold
+core's :func:`controllerd.core.loadreport.should_write` (materiality, threshold
 crossings, heartbeat); the last written value is seeded from etcd on a cache
 miss so a restarted reporter does not rewrite every record.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from controllerd.clock import Clock
-from controllerd.loadreport import ReportRule, WriteReason, should_write
-from controllerd.model import (
+from controllerd.adapters.store import Store, StoreError
+from controllerd.core.loadreport import ReportRule, WriteReason, should_write
+from controllerd.core.model import (
     LoadSample,
     ModelError,
     Rates,
@@ -27,10 +27,10 @@ from controllerd.model import (
     load_sample_from_json,
     load_sample_to_json,
 )
+from controllerd.core.view import Keys
+from controllerd.daemon.clock import Clock
 from controllerd.refbroker.kafka import KafkaBackend, KafkaBackendError
 from controllerd.refbroker.naming import segment_topic, subscription_group
-from controllerd.store import Store, StoreError
-from controllerd.view import Keys
 
 log = structlog.get_logger("controllerd.refbroker.reporter")
 

@@ -25,9 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from controllerd import layout as layout_ops
-from controllerd.clock import Clock
-from controllerd.model import Layout, ModelError, TopicName, layout_from_json, layout_to_json
+from controllerd.adapters.store import Compare, Put, Store, StoreError
+from controllerd.core import layout as layout_ops
+from controllerd.core.model import Layout, ModelError, TopicName, layout_from_json, layout_to_json
+from controllerd.core.view import Keys
+from controllerd.daemon.clock import Clock
 from controllerd.refbroker.kafka import KafkaBackend, KafkaBackendError
 from controllerd.refbroker.naming import (
     check_name_part,
@@ -35,8 +37,6 @@ from controllerd.refbroker.naming import (
     segment_topic,
     subscription_group,
 )
-from controllerd.store import Compare, Put, Store, StoreError
-from controllerd.view import Keys
 
 log = structlog.get_logger("controllerd.refbroker")
 

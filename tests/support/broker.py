@@ -1,14 +1,14 @@
 """An in-memory broker that speaks the admin REST protocol (DESIGN §5) over real HTTP.
 
-``make_test_broker_app(state)`` serves every path :mod:`controllerd.broker` calls,
-applying the pure :mod:`controllerd.layout` operations to layouts held in
+``make_test_broker_app(state)`` serves every path :mod:`controllerd.adapters.broker` calls,
+applying the pure :mod:`controllerd.core.layout` operations to layouts held in
 :class:`TestBrokerState`; ``serve_test_broker(state)`` runs it with uvicorn on a free
 loopback port inside the current event loop.
 
 Protocol choices (mirrored in ``docs/admin-api.yaml``):
 
 * Error bodies are Pulsar's ``{"reason": "<text>"}`` plus our ``"code"``: the
-  :class:`~controllerd.layout.LayoutError` code, or ``fenced``.
+  :class:`~controllerd.core.layout.LayoutError` code, or ``fenced``.
 * Fencing: when ``state.min_fencing_token`` is set, split, merge and delete-segment
   need ``X-Fencing-Token >= min_fencing_token``; a missing or lower token is **409**
   with code ``fenced``. 409 rather than 412 because 412 already means "the layout
@@ -19,7 +19,7 @@ Protocol choices (mirrored in ``docs/admin-api.yaml``):
 * Deleting an *active* segment is 412 on both profiles: a controller that tries it has
   a bug, and a test double should say so rather than lose data silently.
 * Deleting a sealed segment also prunes it from the in-memory layout when
-  :func:`controllerd.layout.prune` allows it, so the broker's layout agrees with one the
+  :func:`controllerd.core.layout.prune` allows it, so the broker's layout agrees with one the
   controller pruned in etcd (otherwise the next split would resurrect the segment).
 
 Fault injection runs before routing, in this order, on every request (all recorded):
@@ -50,10 +50,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controllerd.layout import LayoutError, initial_layout, merge, prune, split
-from controllerd.model import Layout, TopicName, layout_to_json
-from controllerd.store import Store
-from controllerd.view import Keys
+from controllerd.adapters.store import Store
+from controllerd.core.layout import LayoutError, initial_layout, merge, prune, split
+from controllerd.core.model import Layout, TopicName, layout_to_json
+from controllerd.core.view import Keys
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 LayoutHook = Callable[[TopicName, Layout | None], Awaitable[None] | None]

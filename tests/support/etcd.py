@@ -43,7 +43,7 @@ from typing import IO
 import pytest
 from etcd3aio import Etcd3Client
 
-from controllerd.store import Store, open_store
+from controllerd.adapters.store import Store, open_store
 
 ETCD_BINARY = "/usr/bin/etcd"
 #: Seconds to wait for etcd to answer /health after (re)start; it needs ~0.3 s.

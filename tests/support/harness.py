@@ -17,15 +17,15 @@ from typing import Any
 import anyio
 
 from controllerd import config as config_mod
-from controllerd.audit import AuditSink
-from controllerd.broker import BrokerClient
-from controllerd.clock import ManualClock
-from controllerd.controller import Controller
-from controllerd.election import Leadership, lead
-from controllerd.metrics import Metrics
-from controllerd.model import Layout, TopicName
-from controllerd.store import Store, open_store
-from controllerd.view import Keys, MetadataView
+from controllerd.adapters.audit import AuditSink
+from controllerd.adapters.broker import BrokerClient
+from controllerd.adapters.election import Leadership, lead
+from controllerd.adapters.store import Store, open_store
+from controllerd.core.model import Layout, TopicName
+from controllerd.core.view import Keys, MetadataView
+from controllerd.daemon.clock import ManualClock
+from controllerd.daemon.controller import Controller
+from controllerd.daemon.metrics import Metrics
 from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 
 TOPIC = TopicName("acme", "ns", "orders")

@@ -32,19 +32,19 @@ import anyio.abc
 import structlog
 
 from controllerd import config as config_mod
-from controllerd import sdnotify
-from controllerd.audit import AuditSink, open_audit
-from controllerd.broker import BrokerClient, as_profile
-from controllerd.clock import Clock, SystemClock
-from controllerd.controller import Controller, DecisionRecord
-from controllerd.election import current_leader, lead
-from controllerd.logs import configure_logging
-from controllerd.metrics import Metrics
-from controllerd.ops import make_ops_app, serve_ops
-from controllerd.store import Store, StoreError, open_store
-from controllerd.view import Keys, MetadataView
+from controllerd.adapters import sdnotify
+from controllerd.adapters.audit import AuditSink, open_audit
+from controllerd.adapters.broker import BrokerClient, as_profile
+from controllerd.adapters.election import current_leader, lead
+from controllerd.adapters.store import Store, StoreError, open_store
+from controllerd.core.view import Keys, MetadataView
+from controllerd.daemon.clock import Clock, SystemClock
+from controllerd.daemon.controller import Controller, DecisionRecord
+from controllerd.daemon.logs import configure_logging
+from controllerd.daemon.metrics import Metrics
+from controllerd.daemon.ops import make_ops_app, serve_ops
 
-log = structlog.get_logger("controllerd.runtime")
+log = structlog.get_logger("controllerd.daemon.runtime")
 
 #: Seconds from SIGTERM to exit, at most. systemd's TimeoutStopSec (20 s) and the
 #: Kubernetes grace period (30 s) are longer.
@@ -217,7 +217,7 @@ class Daemon:
             async with (
                 open_configured_store(cfg.etcd) as store,
                 broker,
-                open_audit(cfg.audit, self.metrics) as audit,
+                open_audit(cfg.audit, self.metrics.audit_messages) as audit,
             ):
                 self._ready = True
                 sdnotify.ready()

@@ -27,15 +27,14 @@ import anyio
 import anyio.abc
 import structlog
 
-from controllerd import gc
-from controllerd.audit import AuditSink
-from controllerd.broker import BrokerClient, BrokerError, Fenced
-from controllerd.clock import Clock
+from controllerd.adapters.audit import AuditSink
+from controllerd.adapters.broker import BrokerClient, BrokerError, Fenced
+from controllerd.adapters.election import Leadership
+from controllerd.adapters.store import Compare, Put, Store, WatchCompacted
 from controllerd.config import Config
-from controllerd.election import Leadership
-from controllerd.layout import prune
-from controllerd.metrics import Metrics
-from controllerd.model import (
+from controllerd.core import gc
+from controllerd.core.layout import prune
+from controllerd.core.model import (
     Decision,
     Merge,
     NoAction,
@@ -45,7 +44,7 @@ from controllerd.model import (
     decision_to_json,
     layout_to_json,
 )
-from controllerd.policy import (
+from controllerd.core.policy import (
     PolicyInvalid,
     below,
     decide,
@@ -53,10 +52,11 @@ from controllerd.policy import (
     is_stale,
     resolve_policy,
 )
-from controllerd.store import Compare, Put, Store, WatchCompacted
-from controllerd.view import Change, Cooldown, MetadataView, Rejected, TopicState
+from controllerd.core.view import Change, Cooldown, MetadataView, Rejected, TopicState
+from controllerd.daemon.clock import Clock
+from controllerd.daemon.metrics import Metrics
 
-log = structlog.get_logger("controllerd.controller")
+log = structlog.get_logger("controllerd.daemon.controller")
 
 #: How long to wait for the broker's new layout to show up in etcd after an
 #: operation before evaluating the topic on the old one again.

@@ -20,7 +20,7 @@ The caller builds it; the sink only serialises:
 ``topic``
     Scalable topic name, ``tenant/namespace/topic``.
 ``decision``
-    :func:`controllerd.model.decision_to_json` of the decision.
+    :func:`controllerd.core.model.decision_to_json` of the decision.
 ``inputs``
     Summary of what the policy saw (active segments and their load, consumer
     counts, cooldown stamps, the resolved policy), enough to replay ``decide()``.
@@ -56,9 +56,9 @@ from aiokafka.errors import (
     RecordTooLargeError,
     TopicAlreadyExistsError,
 )
+from prometheus_client import Counter
 
 from controllerd.config import AuditSettings
-from controllerd.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
@@ -101,7 +101,7 @@ class _KafkaSink(AuditSink):
     failure retries it before anything newer (order is kept).
     """
 
-    def __init__(self, settings: AuditSettings, bootstrap: str, metrics: Metrics) -> None:
+    def __init__(self, settings: AuditSettings, bootstrap: str, outcomes: Counter) -> None:
         self._bootstrap = bootstrap
         self._topic = settings.topic
         self._capacity = settings.buffer_size
@@ -111,9 +111,9 @@ class _KafkaSink(AuditSink):
         self._closing = asyncio.Event()
         self._drained = asyncio.Event()  # set by the sender: closing and nothing left
         self._topic_checked = False
-        self._sent = metrics.audit_messages.labels(outcome="sent")
-        self._dropped = metrics.audit_messages.labels(outcome="dropped")
-        self._error = metrics.audit_messages.labels(outcome="error")
+        self._sent = outcomes.labels(outcome="sent")
+        self._dropped = outcomes.labels(outcome="dropped")
+        self._error = outcomes.labels(outcome="error")
 
     # --- producer side (the controller) ------------------------------------
 
@@ -291,7 +291,7 @@ class _KafkaSink(AuditSink):
 
 @asynccontextmanager
 async def open_audit(
-    settings: AuditSettings, metrics: Metrics, *, close_timeout: float = CLOSE_TIMEOUT
+    settings: AuditSettings, outcomes: Counter, *, close_timeout: float = CLOSE_TIMEOUT
 ) -> AsyncIterator[AuditSink]:
     """The audit sink for ``settings``; a no-op sink when ``kafka_bootstrap`` is None.
 
@@ -302,7 +302,7 @@ async def open_audit(
     if settings.kafka_bootstrap is None:
         yield AuditSink()
         return
-    sink = _KafkaSink(settings, settings.kafka_bootstrap, metrics)
+    sink = _KafkaSink(settings, settings.kafka_bootstrap, outcomes)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(sink.run, name="audit-sender")

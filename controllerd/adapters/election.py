@@ -33,7 +33,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-from controllerd.store import (
+from controllerd.adapters.store import (
     Compare,
     Delete,
     LeaseNotFound,

@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from controllerd.layout import MergeDepths, equal_boundaries
-from controllerd.model import (
+from controllerd.core.layout import MergeDepths, equal_boundaries
+from controllerd.core.model import (
     RATE_NAMES,
     Decision,
     Layout,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from controllerd.model import (
+from controllerd.core.model import (
     HASH_MAX,
     HASH_MIN,
     HASH_SPACE,

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from controllerd.metrics import Metrics
+from controllerd.daemon.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
@@ -118,7 +118,7 @@ async def serve_ops(
     """
     config = uvicorn.Config(
         app,
-        log_config=None,  # logging is ours (controllerd.logs)
+        log_config=None,  # logging is ours (controllerd.daemon.logs)
         access_log=False,  # a scrape every few seconds is noise
         lifespan="off",
         timeout_graceful_shutdown=SHUTDOWN_TIMEOUT,

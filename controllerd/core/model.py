@@ -103,7 +103,7 @@ class Layout:
     ``segments`` is keyed by segment id and must never be mutated: layout
     operations build a new mapping. ``auto_scale_policy`` is the raw per-topic
     override (camelCase keys); it is resolved against the configured policy by
-    :func:`controllerd.policy.resolve_policy`.
+    :func:`controllerd.core.policy.resolve_policy`.
     """
 
     epoch: int
@@ -401,7 +401,7 @@ def segment_to_json(segment: Segment) -> dict[str, Any]:
 def layout_from_json(obj: Any) -> Layout:
     """Parse ``ScalableTopicMetadata``; unknown fields are kept, never interpreted.
 
-    Does not check the layout invariants: call :func:`controllerd.layout.violations`.
+    Does not check the layout invariants: call :func:`controllerd.core.layout.violations`.
     """
     if not isinstance(obj, Mapping):
         raise ModelError(f"layout: expected an object, got {type(obj).__name__}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from controllerd.model import Rates
+from controllerd.core.model import Rates
 
 
 class WriteReason(enum.StrEnum):

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from controllerd.layout import LayoutError, check
-from controllerd.model import (
+from controllerd.core.layout import LayoutError, check
+from controllerd.core.model import (
     Layout,
     LoadSample,
     ModelError,

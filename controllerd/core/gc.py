@@ -5,7 +5,7 @@ retention (negative retention keeps it forever) and every subscription has
 drained it: backlog <= 0 everywhere, where a 404 (``None`` here) means *not*
 drained and a topic without subscriptions counts as drained. On top of that a
 segment is only pruned together with, or after, every parent still in the
-layout (see :mod:`controllerd.layout`), so the layout invariants survive GC.
+layout (see :mod:`controllerd.core.layout`), so the layout invariants survive GC.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from controllerd.model import Layout, Segment
+from controllerd.core.model import Layout, Segment
 
 RETENTION_KEY: Final = "segmentRetentionSeconds"
 """Layout property / policy override key holding a topic's or namespace's retention."""

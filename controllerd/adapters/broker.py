@@ -27,7 +27,7 @@ redirect (the leader is another host) and would turn a 302/303 POST into a GET. 
 307/308 are followed, method, body and headers intact; the bearer token is withheld
 on an https -> http downgrade.
 
-``TopicName`` is :class:`controllerd.model.TopicName`, re-exported so that the daemon,
+``TopicName`` is :class:`controllerd.core.model.TopicName`, re-exported so that the daemon,
 the view and this client share one hashable type.
 """
 
@@ -43,8 +43,8 @@ from urllib.parse import quote
 import anyio
 import httpx
 
-from controllerd.layout import equal_boundaries
-from controllerd.model import Layout, ModelError, Segment, TopicName, layout_from_json
+from controllerd.core.layout import equal_boundaries
+from controllerd.core.model import Layout, ModelError, Segment, TopicName, layout_from_json
 
 __all__ = [
     "BrokerBug",
