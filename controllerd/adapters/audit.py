@@ -3,8 +3,8 @@
 Auditing must never slow or stop control, so :meth:`AuditSink.publish` is
 synchronous and O(1): it serialises the record into a bounded buffer and
 returns. A background task (``audit-sender``) owns the Kafka producer and
-drains the buffer; while Kafka is unreachable it keeps retrying with capped
-exponential backoff and the buffer absorbs up to ``AuditSettings.buffer_size``
+drains the buffer; while Kafka is unreachable it keeps retrying on the shared
+backoff schedule and the buffer absorbs up to ``AuditSettings.buffer_size``
 records, after which the *oldest* are dropped (recent decisions matter most).
 On close it flushes for a short deadline, then drops what is left. Every record
 ends up counted once in ``controllerd_audit_messages_total{outcome}``: ``sent``
@@ -58,6 +58,7 @@ from aiokafka.errors import (
 )
 from prometheus_client import Counter
 
+from controllerd.adapters import backoff
 from controllerd.config import AuditSettings
 
 log = structlog.get_logger(__name__)
@@ -66,9 +67,6 @@ log = structlog.get_logger(__name__)
 CLOSE_TIMEOUT: Final = 2.0
 #: Seconds granted to stopping the producer (and its connections) after the flush.
 _STOP_TIMEOUT: Final = 1.0
-#: Retry delays while Kafka is unreachable: doubling from the first to the cap.
-_BACKOFF_FIRST: Final = 0.1
-_BACKOFF_MAX: Final = 10.0
 #: Records handed to the producer at once.
 _BATCH: Final = 100
 #: Per-request timeout, which is also how long aiokafka retries a send internally.
@@ -140,7 +138,7 @@ class _KafkaSink(AuditSink):
 
     async def run(self) -> None:
         """Deliver until closed and drained; cancelled by :func:`open_audit` at its deadline."""
-        delay = _BACKOFF_FIRST
+        failures = 0
         failing = False
         while True:
             producer = AIOKafkaProducer(
@@ -158,9 +156,11 @@ class _KafkaSink(AuditSink):
                     log.info("audit.connected", bootstrap=self._bootstrap)
                     failing = False
                 while await self._send_batch(producer):
-                    delay = _BACKOFF_FIRST
+                    failures = 0
                 return
             except Exception as exc:  # any failure: reconnect after a pause, never die
+                delay = backoff.KAFKA.delay(failures)
+                failures += 1
                 report = log.debug if failing else log.warning
                 failing = True
                 report(
@@ -174,7 +174,6 @@ class _KafkaSink(AuditSink):
                 with anyio.move_on_after(_STOP_TIMEOUT, shield=True):
                     await producer.stop()
             await self._pause(delay)
-            delay = min(delay * 2, _BACKOFF_MAX)
 
     async def _pause(self, delay: float) -> None:
         """Back off; a close request cuts the wait short once, for a last attempt."""

@@ -11,8 +11,9 @@ It speaks Pulsar's scalable-topic admin paths and adapts to the broker's capabil
 
 Error contract: every failure is a :class:`BrokerError` subclass carrying ``status``,
 ``method``, ``url`` and a truncated response ``body`` -- never the bearer token.
-5xx, timeouts and connection errors are retried with capped exponential backoff and
-full jitter, then raise :class:`BrokerUnavailable`; a 4xx is never retried.
+5xx, timeouts and connection errors are retried on the shared capped, jittered
+schedule (:mod:`controllerd.adapters.backoff`), then raise :class:`BrokerUnavailable`;
+a 4xx is never retried.
 
 Retries of mutations are at-least-once. When an attempt may have been applied before
 it failed (a 5xx, a timeout, a dropped connection), a retried split or merge that the
@@ -43,6 +44,7 @@ from urllib.parse import quote
 import anyio
 import httpx
 
+from controllerd.adapters import backoff
 from controllerd.core.layout import equal_boundaries
 from controllerd.core.model import Layout, ModelError, Segment, TopicName, layout_from_json
 
@@ -79,8 +81,6 @@ def as_profile(value: str) -> BrokerProfile:
 #: retries and redirects), for latency metrics. It must not raise.
 RequestHook = Callable[[str, str, float, int | None], None]
 
-BACKOFF_BASE_SECONDS: Final = 0.1
-BACKOFF_CAP_SECONDS: Final = 5.0
 MAX_REDIRECTS: Final = 5
 BODY_LIMIT: Final = 512
 """Characters of a response body kept in an error (bodies can be whole stack traces)."""
@@ -263,7 +263,9 @@ class BrokerClient:
         self._timeout = timeout
         self._max_retries = max_retries
         self._sleep = sleep
-        self._rng = rng if rng is not None else random.Random()
+        self._backoff_schedule = backoff.Backoff(
+            backoff.BROKER.first, backoff.BROKER.cap, rng if rng is not None else random.Random()
+        )
         self._on_request = on_request
         verify: ssl.SSLContext | bool = True
         if url.scheme == "https" or ca_file is not None or cert_file is not None:
@@ -532,9 +534,8 @@ class BrokerClient:
     # --- transport ----------------------------------------------------------------
 
     def _backoff(self, attempt: int) -> float:
-        """Full jitter: uniform in ``[0, min(cap, base * 2**attempt)]``."""
-        ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2**attempt)
-        return self._rng.uniform(0.0, ceiling)
+        """The shared schedule (:data:`controllerd.adapters.backoff.BROKER`)."""
+        return self._backoff_schedule.delay(attempt)
 
     async def _call(
         self,

@@ -27,7 +27,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import random
 import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -56,6 +55,8 @@ from etcd3aio.auth import AuthService
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 
+from controllerd.adapters import backoff
+
 __all__ = [
     "Compare",
     "Delete",
@@ -78,9 +79,6 @@ PAGE_SIZE = 1000
 #: Largest response we accept: 1000 keys of up to 256 KiB each. grpc's 4 MiB
 #: default is too small for a page of layouts or a watch batch of 1000 revisions.
 MAX_RECEIVE_BYTES = 256 * 1024 * 1024
-#: Backoff between retries of a unary call: first delay, cap (seconds).
-BACKOFF_FIRST = 0.05
-BACKOFF_CAP = 1.0
 #: grpc's own reconnect backoff grows to 120 s by default, so after a long etcd
 #: outage the channel would keep failing long after etcd is back (measured
 #: 1.8 s after a 40 s outage). Capping it at 1 s keeps recovery near 1 s.
@@ -305,12 +303,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _backoff(attempt: int) -> float:
-    """Capped exponential backoff with jitter, so replicas do not retry in lockstep."""
-    delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2**attempt)
-    return random.uniform(delay / 2, delay)
-
-
 class Store:
     """etcd access for controllerd. Create with :func:`open_store`.
 
@@ -391,7 +383,7 @@ class Store:
                     continue
                 if not _is_transient(exc):
                     raise _fatal(op, exc) from exc
-                delay = _backoff(attempt)
+                delay = backoff.ETCD.delay(attempt)
                 attempt += 1
                 if self._clock() + delay > deadline:
                     raise StoreUnavailable(
@@ -606,7 +598,7 @@ class Store:
                 error = _describe(exc)
             finally:
                 call.cancel()
-            delay = _backoff(failures)
+            delay = backoff.ETCD.delay(failures)
             failures += 1
             log.info(
                 "store.watch.reconnect",

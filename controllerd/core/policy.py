@@ -140,6 +140,8 @@ def _coerce(name: str, value: Any) -> _Value | str:
         return _Value(value) if isinstance(value, bool) else f"expected true/false, got {value!r}"
     if isinstance(value, bool) or not isinstance(value, int | float):
         return f"expected a number, got {value!r}"
+    if isinstance(value, int) and name in _INT_FIELDS:
+        return _Value(value)  # exact: float() would round integers beyond 2**53
     try:
         number = float(value)
     except OverflowError:

@@ -27,6 +27,7 @@ import anyio
 import anyio.abc
 import structlog
 
+from controllerd.adapters import backoff
 from controllerd.adapters.audit import AuditSink
 from controllerd.adapters.broker import BrokerClient, BrokerError, Fenced
 from controllerd.adapters.election import Leadership
@@ -384,7 +385,9 @@ class Controller:
             self._metrics.operations.labels(op=op, outcome=outcome).inc()
             failures = self._failures.get(topic, 0) + 1
             self._failures[topic] = failures
-            retry_in = min(self._config().autoscale.interval_seconds, 2.0 ** (failures - 1))
+            retry_in = backoff.TOPIC_RETRY.capped_at(
+                self._config().autoscale.interval_seconds
+            ).delay(failures - 1)
             log.warning(
                 "operation.failed",
                 topic=str(topic),

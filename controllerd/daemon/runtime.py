@@ -32,7 +32,7 @@ import anyio.abc
 import structlog
 
 from controllerd import config as config_mod
-from controllerd.adapters import sdnotify
+from controllerd.adapters import backoff, sdnotify
 from controllerd.adapters.audit import AuditSink, open_audit
 from controllerd.adapters.broker import BrokerClient, as_profile
 from controllerd.adapters.election import current_leader, lead
@@ -292,7 +292,7 @@ class Daemon:
                 failures = 0
             except StoreError as exc:
                 failures += 1
-                delay = min(10.0, 0.5 * 2 ** min(failures, 5))
+                delay = backoff.ELECTION.delay(failures - 1)
                 log.error("election.failed", error=str(exc), retry_in_s=delay)
                 await anyio.sleep(delay)
 
