@@ -76,6 +76,8 @@ _THRESHOLD_KEYS: Final = {
     )
     for stem in stems
 }
+_JAVA_INT_MIN: Final = -(2**31)
+_JAVA_INT_MAX: Final = 2**31 - 1
 _INT_FIELDS: Final = frozenset(
     {"min_segments", "max_segments", "max_dag_depth", "max_split_fanout", "min_split_width"}
 )
@@ -141,7 +143,11 @@ def _coerce(name: str, value: Any) -> _Value | str:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return f"expected a number, got {value!r}"
     if isinstance(value, int) and name in _INT_FIELDS:
-        return _Value(value)  # exact: float() would round integers beyond 2**53
+        # Pulsar's override fields are Java ints; an exact check, since float()
+        # would round integers beyond 2**53.
+        if not _JAVA_INT_MIN <= value <= _JAVA_INT_MAX:
+            return f"{str(value)[:20]}... is out of range"
+        return _Value(value)
     try:
         number = float(value)
     except OverflowError:
