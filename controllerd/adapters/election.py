@@ -12,6 +12,12 @@ Invariants:
   granted), because etcd starts counting only when it receives the request.
   We stop ``margin`` seconds earlier, to absorb clock-rate differences and the
   time the caller needs to stop acting.
+* The lease is renewed from a thread of its own, on a grpc channel of its own
+  (:class:`~controllerd.adapters.store.LeaseKeepAliveClient`), so no work on
+  the event loop (loading 100k topics, a long GC pass, even a blocked loop)
+  can make us lose it. Its deadline is on ``time.monotonic``, which is also
+  the asyncio loop's clock; :meth:`Leadership.is_leader` reads it directly,
+  so a loop that wakes after a stall never acts on a lease that lapsed.
 * ``lost`` is also set when the leader key is deleted or re-created (another
   create revision), when a keep-alive reports the lease gone, and when the
   ``lead`` context exits. It is never cleared: a new term is a new ``lead``.
@@ -23,7 +29,10 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -31,11 +40,11 @@ from typing import Any
 
 import anyio
 import structlog
-from anyio.abc import TaskGroup
 
 from controllerd.adapters.store import (
     Compare,
     Delete,
+    LeaseKeepAliveClient,
     LeaseNotFound,
     Put,
     Store,
@@ -100,21 +109,16 @@ class Leadership:
 
 
 class _Lease:
-    """Our lease and the instant until which it is certainly alive, minus the margin.
+    """Our lease, renewed from a thread of its own, and the instant until which it is alive.
 
     Invariant: ``deadline`` = send time of the last successful grant/keep-alive
-    + TTL etcd reported - margin. Once the clock passes it, ``expired`` is set
-    (by :meth:`keep_alive`, or observed at once by :meth:`alive`).
+    + TTL etcd reported - margin, on ``time.monotonic``. Once the clock passes
+    it, or etcd says the lease is gone, :meth:`alive` is False for good and
+    ``expired`` is set on the event loop.
     """
 
     def __init__(
-        self,
-        store: Store,
-        lease_id: int,
-        ttl: int,
-        sent_at: float,
-        margin: float,
-        clock: Callable[[], float],
+        self, store: Store, lease_id: int, ttl: int, sent_at: float, margin: float
     ) -> None:
         self.id = lease_id
         self.ttl = ttl
@@ -124,33 +128,50 @@ class _Lease:
         self._store = store
         self._sent_at = sent_at
         self._margin = margin
-        self._clock = clock
-        self._scope = anyio.CancelScope()
+        self._dead = False
+        self._stopping = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()  # built on the loop's thread
+        self._thread: threading.Thread | None = None
 
     def alive(self) -> bool:
-        return not self.expired.is_set() and self._clock() < self.deadline
+        return not self._dead and time.monotonic() < self.deadline
 
     def expire(self, reason: str) -> None:
-        if not self.expired.is_set():
-            self.reason = reason
+        """Mark the lease dead (from any thread) and set ``expired`` on the loop."""
+        if self._dead:
+            return
+        self.reason = reason
+        self._dead = True
+        if threading.get_ident() == self._loop_thread:
             self.expired.set()
+            return
+        with suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+            self._loop.call_soon_threadsafe(self.expired.set)
+
+    def start(self) -> None:
+        client = self._store.keepalive_client()
+        self._thread = threading.Thread(
+            target=self._renew, args=(client,), name=f"lease-{self.id}", daemon=True
+        )
+        self._thread.start()
 
     def stop(self) -> None:
-        self._scope.cancel()
+        """Stop renewing; the thread ends within one keep-alive timeout (it never blocks us)."""
+        self._stopping.set()
 
-    async def keep_alive(self) -> None:
+    def _renew(self, client: LeaseKeepAliveClient) -> None:
         """Renew every ttl/3; on failure retry quickly until the deadline, then expire."""
         interval = self.ttl / 3
         next_at = self._sent_at + interval
-        with self._scope:
-            while True:
-                await anyio.sleep(max(0.0, min(next_at, self.deadline) - self._clock()))
-                sent = self._clock()
+        try:
+            while not self._stopping.wait(max(0.0, min(next_at, self.deadline) - time.monotonic())):
+                sent = time.monotonic()
                 if sent >= self.deadline:
                     self.expire("keepalive-timeout")
                     return
                 try:
-                    remaining = await self._store.keepalive_once(
+                    remaining = client.keepalive_once(
                         self.id, timeout=min(interval, self.deadline - sent)
                     )
                 except StoreError as exc:
@@ -158,15 +179,17 @@ class _Lease:
                         "election.keepalive_failed",
                         lease=self.id,
                         error=str(exc),
-                        safe_for=round(self.deadline - self._clock(), 3),
+                        safe_for=round(self.deadline - time.monotonic(), 3),
                     )
-                    next_at = self._clock() + KEEPALIVE_RETRY
+                    next_at = time.monotonic() + KEEPALIVE_RETRY
                     continue
                 if remaining <= 0:
                     self.expire("lease-expired")
                     return
                 self.deadline = max(self.deadline, sent + remaining - self._margin)
                 next_at = sent + interval
+        finally:
+            client.close()
 
 
 @dataclass
@@ -178,8 +201,6 @@ class _Campaign:
     value: bytes
     ttl: int
     margin: float
-    clock: Callable[[], float]
-    tg: TaskGroup
     lease: _Lease | None = None
 
     async def _fresh_lease(self) -> _Lease:
@@ -187,10 +208,10 @@ class _Campaign:
             self.lease.stop()
             with suppress(StoreError):  # it may still hold our key; best effort
                 await self.store.revoke_lease(self.lease.id)
-        sent = self.clock()
+        sent = time.monotonic()
         lease_id, granted = await self.store.grant_lease(self.ttl)
-        self.lease = _Lease(self.store, lease_id, granted, sent, self.margin, self.clock)
-        self.tg.start_soon(self.lease.keep_alive, name=f"election-keepalive-{lease_id}")
+        self.lease = _Lease(self.store, lease_id, granted, sent, self.margin)
+        self.lease.start()
         return self.lease
 
     async def elect(self) -> tuple[_Lease, int, str]:
@@ -364,7 +385,6 @@ async def lead(
     *,
     ttl: int = 10,
     margin: float | None = None,
-    clock: Callable[[], float] = anyio.current_time,
     resign_timeout: float = RESIGN_TIMEOUT,
 ) -> AsyncIterator[Leadership]:
     """Campaign for ``key``; enter once elected; resign on exit.
@@ -379,7 +399,6 @@ async def lead(
         margin: seconds before the lease could expire at which we consider it
             lost; default ``max(1, ttl / 4)``. Must leave room for the renewal
             every ttl/3.
-        clock: the clock of the lease deadline; the event loop's by default.
         resign_timeout: bound on the shielded resignation at exit.
     """
     margin = max(1.0, ttl / 4) if margin is None else margin
@@ -396,8 +415,8 @@ async def lead(
             # exception in an ExceptionGroup; keep it aside and re-raise it as
             # is once our tasks are stopped (a cancellation included).
             try:
-                campaign = _Campaign(store, key, value, ttl, margin, clock, tg)
-                started = clock()
+                campaign = _Campaign(store, key, value, ttl, margin)
+                started = time.monotonic()
                 lease, token, why = await campaign.elect()
                 term = _Term(store, key, token, lease)
                 tg.start_soon(term.watch_lease, name="election-lease-guard")
@@ -409,7 +428,7 @@ async def lead(
                     lease=lease.id,
                     identity=ident,
                     after=why,
-                    waited_s=round(clock() - started, 3),
+                    waited_s=round(time.monotonic() - started, 3),
                 )
                 try:
                     yield Leadership(token, lease.id, ident, term.lost, key, lease.alive)

@@ -32,9 +32,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from ipaddress import IPv6Address, ip_address
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import anyio
+import anyio.lowlevel
 import grpc
 import grpc.aio
 import structlog
@@ -47,6 +48,8 @@ from etcd3aio import (
     prefix_range_end,
 )
 from etcd3aio._protobuf import (  # generated messages; not re-exported publicly
+    LeaseKeepAliveRequest,
+    LeaseStub,
     WatchCreateRequest,
     WatchRequest,
     WatchStub,
@@ -63,6 +66,7 @@ __all__ = [
     "KeyValue",
     "LeaseNotFound",
     "Put",
+    "SnapshotCompacted",
     "Store",
     "StoreError",
     "StoreUnavailable",
@@ -128,9 +132,16 @@ class _ReadCompacted(StoreError):
     """A read at a fixed revision hit a compaction (``get_prefix`` restarts)."""
 
 
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    """One key as etcd stores it. ``lease`` is 0 when the key has no lease."""
+class SnapshotCompacted(StoreError):
+    """A paged read lost its revision to a compaction: what was read is stale, start over."""
+
+
+class KeyValue(NamedTuple):
+    """One key as etcd stores it. ``lease`` is 0 when the key has no lease.
+
+    A NamedTuple rather than a dataclass: one is built per key of every page and
+    watch event, and tuples are the cheapest immutable record Python has.
+    """
 
     key: str
     value: bytes
@@ -140,8 +151,7 @@ class KeyValue:
     lease: int
 
 
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
+class WatchEvent(NamedTuple):
     """One change. For deletes ``value`` is empty and ``create_revision`` is 0."""
 
     kind: Literal["put", "delete"]
@@ -218,24 +228,55 @@ class TxnResult:
 
 
 def _kv(pb: Any) -> KeyValue:
+    # Undecodable key bytes are replaced, not raised: a key another program wrote
+    # must never stop a load (the view rejects what it cannot use).
     return KeyValue(
-        key=bytes(pb.key).decode(),
-        value=bytes(pb.value),
-        create_revision=int(pb.create_revision),
-        mod_revision=int(pb.mod_revision),
-        version=int(pb.version),
-        lease=int(pb.lease),
+        pb.key.decode(errors="replace"),
+        pb.value,
+        pb.create_revision,
+        pb.mod_revision,
+        pb.version,
+        pb.lease,
     )
 
 
 def _event(pb: Any) -> WatchEvent:
+    kv = pb.kv
     return WatchEvent(
-        kind="put" if pb.type == 0 else "delete",
-        key=bytes(pb.kv.key).decode(),
-        value=bytes(pb.kv.value),
-        create_revision=int(pb.kv.create_revision),
-        mod_revision=int(pb.kv.mod_revision),
+        "put" if pb.type == 0 else "delete",
+        kv.key.decode(errors="replace"),
+        kv.value,
+        kv.create_revision,
+        kv.mod_revision,
     )
+
+
+def _stray_cancellation() -> bool:
+    """Whether a CancelledError in this task was *not* a cancellation of the task.
+
+    grpc.aio raises CancelledError when a call ends by its own deadline, a
+    transport reset or the channel closing, none of which cancelled us. Taken
+    for a cancellation, it ends whatever task group it reaches as if on
+    request: before this check, a 1 s etcd pause made every replica exit 0
+    (issue #10). A real cancellation (an anyio cancel scope, shutdown) always
+    has a pending request on the task (``Task.cancelling() > 0``).
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
+async def _redeliver_cancellation() -> None:
+    """Re-raise a real cancellation as anyio's own, after grpc mangled it.
+
+    When a cancel scope's deadline and a grpc call's own deadline meet, grpc
+    re-raises a CancelledError without anyio's marker, and the scope that
+    cancelled us no longer recognises it: it escapes a shielded
+    ``move_on_after`` (seen 20 times in 20 against a paused etcd; issue #10's
+    crash on resigning). The scope is still cancelled, so its next checkpoint
+    raises a cancellation it recognises. Called from an ``except
+    CancelledError`` block, which then re-raises the original if none came.
+    """
+    await anyio.lowlevel.checkpoint()
 
 
 def _pb_compare(c: Compare) -> Any:
@@ -323,8 +364,12 @@ class Store:
         timeout: float,
         retry_for: float,
         clock: Callable[[], float],
+        target: str = "",
+        channel_credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self._channel = channel
+        self._target = target
+        self._channel_credentials = channel_credentials
         self._kv = KVService(channel, max_attempts=1)
         self._lease = LeaseService(channel, max_attempts=1)
         self._auth = AuthService(channel, max_attempts=1)
@@ -375,7 +420,13 @@ class Store:
         while True:
             generation = self._token_generation
             try:
-                return await fn(*args, **kwargs)
+                try:
+                    return await fn(*args, **kwargs)
+                except asyncio.CancelledError:
+                    if not _stray_cancellation():
+                        await _redeliver_cancellation()
+                        raise
+                    raise EtcdTransientError(f"{op}: call cancelled by the transport") from None
             except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:
                 if reauth and _needs_reauth(exc) and self._credentials is not None:
                     reauth = False
@@ -432,6 +483,30 @@ class Store:
     async def _read_pages(self, start: bytes, end: bytes) -> tuple[list[KeyValue], int]:
         out: list[KeyValue] = []
         revision = 0
+        async for page, page_revision in self._pages(start, end):
+            out.extend(page)
+            revision = page_revision
+        return out, revision
+
+    async def iter_prefix(self, prefix: str) -> AsyncIterator[tuple[list[KeyValue], int]]:
+        """Pages of keys under ``prefix`` in key order, all at one revision, with it.
+
+        For loading a large prefix without holding it all: the caller handles
+        each page as it arrives (and should yield to the loop between pages).
+        A watch from ``revision + 1`` after the last page misses nothing.
+
+        Raises:
+            SnapshotCompacted: the revision was compacted between pages; start
+                over (the pages already handled are from a lost snapshot).
+        """
+        try:
+            async for page in self._pages(prefix.encode(), _range_end(prefix)):
+                yield page
+        except _ReadCompacted as exc:
+            raise SnapshotCompacted(str(exc)) from exc
+
+    async def _pages(self, start: bytes, end: bytes) -> AsyncIterator[tuple[list[KeyValue], int]]:
+        revision = 0
         while True:
             # sort_order NONE returns keys in key order and lets etcd stop at the
             # limit; asking for ASCEND makes etcd 3.4 read the whole range to sort it.
@@ -439,10 +514,38 @@ class Store:
                 "KV.Range", self._kv.get, start, end, revision=revision, limit=PAGE_SIZE
             )
             revision = revision or int(resp.header.revision)
-            out.extend(_kv(pb) for pb in resp.kvs)
-            if not resp.more or not resp.kvs:
-                return out, revision
-            start = bytes(resp.kvs[-1].key) + b"\x00"
+            kvs = resp.kvs
+            yield [_kv(pb) for pb in kvs], revision
+            if not resp.more or not kvs:
+                return
+            start = kvs[-1].key + b"\x00"
+
+    async def probe(self, key: str, timeout: float) -> int:  # noqa: ASYNC109
+        """One request, never retried, answered by etcd's raft leader; its revision.
+
+        For readiness: a linearizable read proves that etcd has a leader and
+        answers us now, which no cached connection state does.
+
+        Raises:
+            StoreUnavailable: no answer within ``timeout``.
+            StoreError: etcd refused (e.g. our credentials).
+        """
+        try:
+            try:
+                resp = await self._kv.get(key, count_only=True, timeout=timeout, max_attempts=1)
+            except asyncio.CancelledError:
+                if not _stray_cancellation():
+                    await _redeliver_cancellation()
+                    raise
+                raise StoreUnavailable("KV.Range: call cancelled by the transport") from None
+        except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:
+            if _needs_reauth(exc) and self._credentials is not None:
+                await self._reauthenticate(self._token_generation)
+                raise StoreUnavailable(f"KV.Range: re-authenticated: {_describe(exc)}") from exc
+            if _is_transient(exc):
+                raise StoreUnavailable(f"KV.Range: {_describe(exc)}") from exc
+            raise _fatal("KV.Range", exc) from exc
+        return int(resp.header.revision)
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
         """Write ``key``; returns the revision of the write."""
@@ -513,6 +616,11 @@ class Store:
                 call = self._lease.keep_alive(lease_id)
                 try:
                     resp = await call.read()
+                except asyncio.CancelledError:
+                    if _stray_cancellation():
+                        raise StoreUnavailable("Lease.KeepAlive: cancelled in transport") from None
+                    await _redeliver_cancellation()
+                    raise
                 finally:
                     call.cancel()
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
@@ -524,6 +632,18 @@ class Store:
         if resp is grpc.aio.EOF:
             raise StoreUnavailable("Lease.KeepAlive: stream closed without an answer")
         return int(resp.TTL)
+
+    def keepalive_client(self) -> LeaseKeepAliveClient:
+        """A blocking keep-alive client on a channel of its own, for a dedicated thread.
+
+        The caller owns it and must :meth:`LeaseKeepAliveClient.close` it.
+        """
+        if not self._target:
+            raise StoreError("this Store was not opened by open_store: no target to connect")
+        return LeaseKeepAliveClient(self._target, self._channel_credentials, self._auth_metadata)
+
+    def _auth_metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return self._metadata
 
     async def revoke_lease(self, lease_id: int) -> None:
         """Revoke the lease, deleting its keys at once. An unknown lease is fine."""
@@ -590,6 +710,11 @@ class Store:
                         next_revision = batch[-1].mod_revision + 1
                         yield batch
                 error = "stream ended"
+            except asyncio.CancelledError:
+                if not _stray_cancellation():
+                    await _redeliver_cancellation()
+                    raise
+                error = "stream cancelled by the transport"
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                 if _needs_reauth(exc):
                     await self._reauthenticate(generation)
@@ -613,6 +738,58 @@ class Store:
         """Close the channel; calls in flight fail. Safe to call twice."""
         with anyio.CancelScope(shield=True):
             await self._channel.close()
+
+
+class LeaseKeepAliveClient:
+    """Lease keep-alives as blocking calls on a grpc channel of its own.
+
+    Why a second, synchronous channel: the lease must be renewed even while the
+    event loop is busy (loading 100k topics, a long GC pass) or blocked, so the
+    renewal runs in a thread of its own (issue #12), and grpc.aio channels belong
+    to one event loop. Auth tokens are read from the owning :class:`Store` at
+    every call; an expired token fails the call, and the store's next request
+    re-authenticates.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        channel_credentials: grpc.ChannelCredentials | None,
+        metadata: Callable[[], tuple[tuple[str, str], ...] | None],
+    ) -> None:
+        if channel_credentials is None:
+            self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(target, channel_credentials, _CHANNEL_OPTIONS)
+        self._stub = LeaseStub(self._channel)
+        self._metadata = metadata
+
+    def keepalive_once(self, lease_id: int, timeout: float) -> int:
+        """Renew once; the lease's TTL from now (<= 0: it has expired). Blocks <= ``timeout``.
+
+        Raises:
+            StoreUnavailable: no answer within ``timeout`` (or a transient failure).
+            StoreError: etcd refused the request for another reason.
+        """
+        responses = self._stub.LeaseKeepAlive(
+            iter([LeaseKeepAliveRequest(ID=lease_id)]), timeout=timeout, metadata=self._metadata()
+        )
+        try:
+            response = next(responses)
+        except StopIteration:
+            raise StoreUnavailable("Lease.KeepAlive: stream closed without an answer") from None
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            if code in _TRANSIENT_CODES or code == grpc.StatusCode.UNAUTHENTICATED:
+                raise StoreUnavailable(f"Lease.KeepAlive: {code}: {details}") from None
+            raise StoreError(f"Lease.KeepAlive: {code}: {details}") from None
+        finally:
+            responses.cancel()
+        return int(response.TTL)
+
+    def close(self) -> None:
+        self._channel.close()
 
 
 def _target(endpoints: Sequence[str]) -> tuple[str, bool]:
@@ -693,15 +870,22 @@ async def open_store(
             None if path is None else await anyio.Path(path).read_bytes()
             for path in (ca_file, cert_file, key_file)
         ]
-        creds = grpc.ssl_channel_credentials(
+        creds: grpc.ChannelCredentials | None = grpc.ssl_channel_credentials(
             root_certificates=ca, private_key=key, certificate_chain=cert
         )
         channel = grpc.aio.secure_channel(target, creds, options=_CHANNEL_OPTIONS)
     else:
+        creds = None
         channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
     credentials = None if username is None or password is None else (username, password)
     store = Store(
-        channel, credentials=credentials, timeout=timeout, retry_for=retry_for, clock=clock
+        channel,
+        credentials=credentials,
+        timeout=timeout,
+        retry_for=retry_for,
+        clock=clock,
+        target=target,
+        channel_credentials=creds,
     )
     try:
         if credentials is not None:

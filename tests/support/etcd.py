@@ -149,8 +149,12 @@ class EtcdServer:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
-        """Start etcd (again) on the same ports and data dir; return once it is healthy."""
+        """Start etcd (again) on the same ports and data dir; return once it is healthy.
+
+        A paused etcd is resumed.
+        """
         if self.running:
+            self.resume()
             return
         peer = f"http://127.0.0.1:{self.peer_port}"
         if self._log is None:
@@ -223,6 +227,17 @@ class EtcdServer:
                 raise RuntimeError(f"etcd not healthy after {READY_TIMEOUT}s; see {self._log_path}")
             time.sleep(min(0.2, 0.01 * 2**attempt))
 
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): connections stay open and nothing answers, as in a
+        long GC pause, a hung disk or a VM migration."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused etcd run again (SIGCONT)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         """Stop etcd gracefully (SIGTERM), as an operator restart would."""
         self._terminate(signal.SIGTERM)
@@ -235,6 +250,7 @@ class EtcdServer:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
+        proc.send_signal(signal.SIGCONT)  # a paused etcd cannot act on SIGTERM
         proc.send_signal(sig)
         try:
             proc.wait(timeout=STOP_TIMEOUT)
