@@ -138,8 +138,10 @@ class EtcdSettings:
 
     #: etcd client URLs; the default is a local single-node etcd.
     endpoints: tuple[str, ...] = field(default=("http://127.0.0.1:2379",), metadata=_RESTART)
-    #: Key prefix of Pulsar's metadata (its metadata-store chroot); Pulsar's default.
-    metadata_prefix: str = field(default="/pulsar", metadata=_RESTART)
+    #: Key prefix of the brokers' metadata; unset = by ``broker.profile``: "" (the etcd
+    #: root) for Pulsar, whose etcd store writes its paths at the root (pulsar-compat
+    #: 1.1), and "/pulsar" for the reference broker.
+    metadata_prefix: str | None = field(default=None, metadata=_RESTART)
     #: Our own keys (election, state) live under ``<controller_prefix>/<cluster.name>``.
     controller_prefix: str = field(default="/controllerd", metadata=_RESTART)
     #: etcd user; None = no authentication (etcd's default).
@@ -161,11 +163,15 @@ class EtcdSettings:
             errs.append(f"{prefix}.endpoints: must list at least one URL")
         for i, url in enumerate(self.endpoints):
             errs += _http_url(prefix, f"endpoints[{i}]", url)
-        errs += _key_path(prefix, "metadata_prefix", self.metadata_prefix)
+        if self.metadata_prefix is not None:
+            errs += _key_path(prefix, "metadata_prefix", self.metadata_prefix)
         errs += _key_path(prefix, "controller_prefix", self.controller_prefix)
         errs += _cert_pair(prefix, self.cert_file, self.key_file)
         errs += _positive(prefix, "timeout_seconds", self.timeout_seconds)
         return errs
+
+
+ELECTION_MODES: Final = ("single", "sharded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,10 +179,21 @@ class ElectionSettings:
     #: Seconds (etcd leases are whole seconds). A dead leader is replaced within
     #: this; 10 s rides out GC pauses without a long leaderless gap.
     lease_ttl_seconds: int = field(default=10, metadata=_RESTART)
+    #: "single": one replica leads every topic, the others stand by with a warm view.
+    #: "sharded": topics are spread over every live replica by shard, each shard
+    #: fenced on its own key.
+    mode: str = field(default="single", metadata=_RESTART)
+    #: Shards in sharded mode; fixed for the life of a cluster (a topic's shard is a
+    #: hash of its name modulo this), so every replica must agree on it.
+    shards: int = field(default=256, metadata=_RESTART)
 
     def errors(self, prefix: str = "election") -> list[str]:
-        # The lease is refreshed at ttl/2; below 2 s that interval rounds to 0.
-        return _at_least(prefix, "lease_ttl_seconds", self.lease_ttl_seconds, 2)
+        # The lease is refreshed at ttl/3; below 2 s that interval is too short.
+        errs = _at_least(prefix, "lease_ttl_seconds", self.lease_ttl_seconds, 2)
+        errs += _one_of(prefix, "mode", self.mode, ELECTION_MODES)
+        if not 1 <= self.shards <= 9999:
+            errs.append(f"{prefix}.shards: must be between 1 and 9999 (got {self.shards})")
+        return errs
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +214,10 @@ class AutoscaleSettings:
 
 @dataclass(frozen=True, slots=True)
 class GcSettings:
+    #: Whether controllerd collects sealed segments; unset = by ``broker.profile``:
+    #: on for the reference broker, off for Pulsar, whose own sealed-segment GC runs
+    #: whatever its auto-scaler setting (pulsar-compat 5.3) and owns retention.
+    enabled: bool | None = None
     #: Seconds between garbage-collection passes over sealed segments.
     interval_seconds: float = 60.0
     #: Seconds a sealed segment is kept when its topic sets no retention; one day.
@@ -341,6 +362,20 @@ class Config:
     def controller_root(self) -> str:
         """etcd prefix of our own keys: ``<etcd.controller_prefix>/<cluster.name>``."""
         return f"{self.etcd.controller_prefix}/{self.cluster.name}"
+
+    @property
+    def metadata_prefix(self) -> str:
+        """Where the brokers' keys live: ``etcd.metadata_prefix``, else by profile."""
+        if self.etcd.metadata_prefix is not None:
+            return self.etcd.metadata_prefix
+        return "" if self.broker.profile == "pulsar" else "/pulsar"
+
+    @property
+    def gc_enabled(self) -> bool:
+        """Whether our GC runs: ``gc.enabled``, else on unless the broker is Pulsar."""
+        if self.gc.enabled is not None:
+            return self.gc.enabled
+        return self.broker.profile != "pulsar"
 
     def errors(self) -> list[str]:
         """Every violated rule across all tables (empty = valid)."""
@@ -575,12 +610,24 @@ def load(text: str, env: Mapping[str, str] | None = None) -> Config:
 
 
 def load_file(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
-    """:func:`load` of a file; an unreadable or non-UTF-8 file is a ConfigError too."""
+    """:func:`load` of a file; an unreadable, non-UTF-8 or empty file is a ConfigError too.
+
+    An empty file (nothing but blanks and comments) is refused: it is almost
+    always a truncated write or a failed template, and taken as valid it would
+    silently reset every setting to its default on the next SIGHUP (issue #10).
+    """
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path}: cannot read config file: {exc}"]) from None
+    if not any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines()):
+        raise ConfigError(
+            [
+                f"{path}: config file is empty (no settings); refusing it rather than "
+                "resetting every setting to its default"
+            ]
+        )
     return load(text, env)
 
 

@@ -446,6 +446,8 @@ def test_reload_marks() -> None:
         "cluster.name",
         *(f"etcd.{f.name}" for f in fields(cfg.EtcdSettings)),
         "election.lease_ttl_seconds",
+        "election.mode",
+        "election.shards",
         "http.listen",
         # the admin client and the audit producer are built once, at start
         *(f"broker.{f.name}" for f in fields(cfg.BrokerSettings) if f.name != "token_file"),

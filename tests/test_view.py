@@ -67,7 +67,7 @@ def test_consumer_registration_triggers_and_counts_per_subscription() -> None:
 def test_load_records_parse_and_fall_back_to_first_seen() -> None:
     view = fresh()
     assert view.apply_put(KEYS.load(T, 0), load_bytes(changedAtMs=5), 20, NOW) == Change(
-        "load", T, True
+        "load", T, True, 0
     )
     assert view.topics[T].loads[0].changed_at_ms == 5
     # plain Pulsar record without timestamps: first time this mod revision was seen
@@ -126,13 +126,15 @@ def test_overrides_cooldowns_and_deletes() -> None:
         "policy", None, True
     )
     view.apply_put(KEYS.policy("acme", "ns"), b'{"maxSegments": 4}', 51, NOW)
-    assert view.overrides_for(T) == ({"maxSegments": 8}, {"maxSegments": 4})
+    assert view.overrides_for(T) == ({"maxSegments": 8}, {"maxSegments": 4}, None)
+    view.apply_put(KEYS.policy("acme", "ns", "orders"), b'{"maxSplitFanout": 2}', 51, NOW)
+    assert view.overrides_for(T)[2] == {"maxSplitFanout": 2}
     view.apply_put(KEYS.cooldown(T), b'{"lastSplitAtMs": 7, "lastMergeAtMs": -1}', 52, NOW)
     assert view.topics[T].effective_cooldown() == Cooldown(7, -1)
     view.apply_delete(KEYS.cooldown(T))
     assert view.topics[T].cooldown is None
     view.apply_delete(KEYS.policy("acme"))
-    assert view.overrides_for(T) == (None, {"maxSegments": 4})
+    assert view.overrides_for(T) == (None, {"maxSegments": 4}, {"maxSplitFanout": 2})
     assert view.apply_delete(KEYS.layout(T)) == Change("layout", T, False)
     assert T not in view.topics
 

@@ -15,11 +15,19 @@ Error contract: every failure is a :class:`BrokerError` subclass carrying ``stat
 schedule (:mod:`controllerd.adapters.backoff`), then raise :class:`BrokerUnavailable`;
 a 4xx is never retried.
 
-Retries of mutations are at-least-once. When an attempt may have been applied before
-it failed (a 5xx, a timeout, a dropped connection), a retried split or merge that the
-broker rejects with 412 is reconciled against the layout: if the layout shows exactly
-the requested outcome, the call succeeds. Errors carry ``maybe_applied`` so callers
-can do the same for other calls (e.g. a 409 from a retried ``create_topic``).
+Retries of mutations are at-least-once, made idempotent by reading the layout: when an
+attempt of a split or merge may have been applied before it failed (a 5xx, a timeout, a
+dropped connection), the layout is read *before* the next attempt, and if it shows
+exactly the requested outcome the call succeeds without sending it again. This matters
+on Pulsar, which answers a split of a segment that is no longer active with 500, not
+412 (its IllegalArgumentException becomes a RestException; pulsar-compat 3.7), so a
+retry after a lost response would otherwise fail or, worse, split a child. A 412 is
+reconciled the same way. Errors carry ``maybe_applied`` so callers can do the same for
+other calls (e.g. a 409 from a retried ``create_topic``).
+
+401 and 403 are :class:`Unauthorized`: on Pulsar, split, merge and every
+``/admin/v2/segments`` call need a *superuser* token, and a tenant-admin token is
+refused forever; the daemon surfaces it as an operator error, never a retry.
 
 Redirects: writes (and, on Pulsar, segment reads) may answer 307/308 to the
 controller-leader or owning broker. The client follows them itself rather than with
@@ -61,6 +69,7 @@ __all__ = [
     "RequestHook",
     "SubscriptionType",
     "TopicName",
+    "Unauthorized",
     "as_profile",
 ]
 
@@ -86,6 +95,8 @@ BODY_LIMIT: Final = 512
 """Characters of a response body kept in an error (bodies can be whole stack traces)."""
 
 FENCING_HEADER: Final = "X-Fencing-Token"
+FENCING_KEY_HEADER: Final = "X-Fencing-Key"
+"""Names the etcd key whose create revision the token is: the leader key, or a shard's."""
 FENCED_CODE: Final = "fenced"
 """``code`` in a 409 body by which the reference broker says the fencing token is stale."""
 
@@ -166,6 +177,15 @@ class BrokerBug(BrokerError):
     outcome = "bug"
 
 
+class Unauthorized(BrokerBug):
+    """401/403: the broker refuses our credentials for this call; retrying cannot help.
+
+    Pulsar needs a superuser token for split, merge and ``/admin/v2/segments``.
+    """
+
+    outcome = "unauthorized"
+
+
 class BrokerUnavailable(BrokerError):
     """5xx, timeouts or connection errors persisted through every retry."""
 
@@ -173,6 +193,8 @@ class BrokerUnavailable(BrokerError):
 
 
 _BY_STATUS: Final[dict[int, type[BrokerError]]] = {
+    401: Unauthorized,
+    403: Unauthorized,
     404: NotFound,
     409: Conflict,
     412: PreconditionFailed,
@@ -323,9 +345,15 @@ class BrokerClient:
             fencing_token=fencing_token,
         )
 
-    async def get_layout(self, topic: TopicName) -> Layout:
-        """The topic's layout; invariants are *not* checked (see ``layout.violations``)."""
-        response = await self._call("get_layout", "GET", _topic_path(topic))
+    async def get_layout(self, topic: TopicName, *, retry: bool = True) -> Layout:
+        """The topic's layout; invariants are *not* checked (see ``layout.violations``).
+
+        ``retry=False`` makes one attempt: reconciliation asks between the
+        retries of a mutation and must not multiply them.
+        """
+        response = await self._call(
+            "get_layout", "GET", _topic_path(topic), retries=None if retry else 0
+        )
         try:
             return layout_from_json(self._json(response))
         except ModelError as exc:
@@ -378,6 +406,7 @@ class BrokerClient:
         boundaries: Sequence[int] | None,
         *,
         fencing_token: int | None,
+        fencing_key: str | None = None,
     ) -> None:
         """Split an active segment into ``len(boundaries) + 1`` children (None: 2, midpoint).
 
@@ -394,10 +423,11 @@ class BrokerClient:
         bounds = None if boundaries is None else tuple(boundaries)
         if bounds is not None and not bounds:
             raise ValueError("a split needs at least one boundary (or None for the midpoint)")
+        fence = (fencing_token, fencing_key)
         if self.profile == "reference":
-            await self._split_once(topic, segment_id, bounds, fencing_token)
+            await self._split_once(topic, segment_id, bounds, fence)
             return
-        await self._split_once(topic, segment_id, None, fencing_token)
+        await self._split_once(topic, segment_id, None, fence)
         wanted = 2 if bounds is None else len(bounds) + 1
         if wanted == 2:
             return
@@ -412,20 +442,34 @@ class BrokerClient:
             if not pieces or len(pieces) >= wanted:
                 return  # done, or someone else reshaped the range: the policy re-decides
             widest = min(pieces, key=lambda s: (-s.hash_range.width, s.segment_id))
-            await self._split_once(topic, widest.segment_id, None, fencing_token)
+            await self._split_once(topic, widest.segment_id, None, fence)
             layout = await self._layout_after_split(topic, widest.segment_id)
 
-    async def merge(self, topic: TopicName, a: int, b: int, *, fencing_token: int | None) -> None:
+    async def merge(
+        self,
+        topic: TopicName,
+        a: int,
+        b: int,
+        *,
+        fencing_token: int | None,
+        fencing_key: str | None = None,
+    ) -> None:
         """Merge two adjacent active segments into one."""
+
+        async def applied() -> bool:
+            return await self._merge_applied(topic, a, b)
+
         try:
             await self._call(
                 "merge",
                 "POST",
                 f"{_topic_path(topic)}/merge/{a}/{b}",
                 fencing_token=fencing_token,
+                fencing_key=fencing_key,
+                reconcile=applied,
             )
-        except PreconditionFailed as exc:
-            if not (exc.maybe_applied and await self._merge_applied(topic, a, b)):
+        except (PreconditionFailed, BrokerUnavailable) as exc:
+            if not (exc.maybe_applied and await self._quietly(applied)):
                 raise
 
     # --- segments ---------------------------------------------------------------
@@ -448,7 +492,12 @@ class BrokerClient:
         return int(value)
 
     async def delete_segment(
-        self, topic: TopicName, descriptor: str, *, fencing_token: int | None
+        self,
+        topic: TopicName,
+        descriptor: str,
+        *,
+        fencing_token: int | None,
+        fencing_key: str | None = None,
     ) -> bool:
         """Delete a pruned segment's data: True if deleted, False if it was already gone.
 
@@ -460,6 +509,7 @@ class BrokerClient:
             _segment_path(topic, descriptor),
             params={"force": "true"},
             fencing_token=fencing_token,
+            fencing_key=fencing_key,
             allow=frozenset({404}),
         )
         return response.status_code != 404
@@ -471,26 +521,39 @@ class BrokerClient:
         topic: TopicName,
         segment_id: int,
         bounds: tuple[int, ...] | None,
-        fencing_token: int | None,
+        fence: tuple[int | None, str | None],
     ) -> None:
         params = None if bounds is None else {"boundaries": ",".join(str(b) for b in bounds)}
+
+        async def applied() -> bool:
+            return await self._split_applied(topic, segment_id, bounds)
+
         try:
             await self._call(
                 "split",
                 "POST",
                 f"{_topic_path(topic)}/split/{segment_id}",
                 params=params,
-                fencing_token=fencing_token,
+                fencing_token=fence[0],
+                fencing_key=fence[1],
+                reconcile=applied,
             )
-        except PreconditionFailed as exc:
-            if not (exc.maybe_applied and await self._split_applied(topic, segment_id, bounds)):
+        except (PreconditionFailed, BrokerUnavailable) as exc:
+            if not (exc.maybe_applied and await self._quietly(applied)):
                 raise
+
+    async def _quietly(self, applied: Callable[[], Awaitable[bool]]) -> bool:
+        """Whether the layout shows an operation applied; False when it cannot be read."""
+        try:
+            return await applied()
+        except BrokerError:
+            return False
 
     async def _split_applied(
         self, topic: TopicName, segment_id: int, bounds: tuple[int, ...] | None
     ) -> bool:
         """Whether the layout shows ``segment_id`` split exactly as requested."""
-        layout = await self.get_layout(topic)
+        layout = await self.get_layout(topic, retry=False)
         parent = layout.segments.get(segment_id)
         if parent is None or parent.active:
             return False
@@ -503,7 +566,7 @@ class BrokerClient:
 
     async def _merge_applied(self, topic: TopicName, a: int, b: int) -> bool:
         """Whether the layout shows ``a`` and ``b`` sealed into one common child."""
-        layout = await self.get_layout(topic)
+        layout = await self.get_layout(topic, retry=False)
         first, second = layout.segments.get(a), layout.segments.get(b)
         if first is None or second is None or first.active or second.active:
             return False
@@ -545,15 +608,25 @@ class BrokerClient:
         *,
         params: dict[str, str] | None = None,
         fencing_token: int | None = None,
+        fencing_key: str | None = None,
         allow: frozenset[int] = frozenset(),
+        reconcile: Callable[[], Awaitable[bool]] | None = None,
+        retries: int | None = None,
     ) -> httpx.Response:
-        """Send with retries; return a 2xx (or an ``allow``-ed status) response, else raise."""
+        """Send with retries; return a 2xx (or an ``allow``-ed status) response, else raise.
+
+        ``reconcile`` (mutations): before retrying an attempt that may have been
+        applied, it is asked whether it was; if so no retry is sent.
+        """
         started = anyio.current_time()
         url = self._client.base_url.join(path.lstrip("/"))
         if params:
             url = url.copy_merge_params(params)
+        fence = (fencing_token, fencing_key)
         try:
-            response, maybe_applied = await self._send_with_retries(method, url, fencing_token)
+            response, maybe_applied = await self._send_with_retries(
+                method, url, fence, reconcile, self._max_retries if retries is None else retries
+            )
             if not (response.is_success or response.status_code in allow):
                 raise self._error(response, method, maybe_applied=maybe_applied)
         except BrokerError as exc:
@@ -567,16 +640,25 @@ class BrokerClient:
             self._on_request(op, outcome, anyio.current_time() - started, status)
 
     async def _send_with_retries(
-        self, method: str, url: httpx.URL, fencing_token: int | None
+        self,
+        method: str,
+        url: httpx.URL,
+        fence: tuple[int | None, str | None],
+        reconcile: Callable[[], Awaitable[bool]] | None,
+        max_retries: int,
     ) -> tuple[httpx.Response, bool]:
         """The first non-5xx response, and whether an earlier attempt may have been applied."""
         maybe_applied = False
         last: _Retryable | None = None
-        for attempt in range(self._max_retries + 1):
+        for attempt in range(max_retries + 1):
             if attempt:
                 await self._sleep(self._backoff(attempt - 1))
+                if maybe_applied and reconcile is not None and await self._quietly(reconcile):
+                    # Applied by an attempt whose answer we lost: done, send nothing again.
+                    request = self._client.build_request(method, url)
+                    return httpx.Response(204, request=request), True
             try:
-                response = await self._attempt(method, url, fencing_token)
+                response = await self._attempt(method, url, fence)
             except _Retryable as exc:
                 last = exc
                 maybe_applied = maybe_applied or exc.applied
@@ -593,7 +675,7 @@ class BrokerClient:
             return response, maybe_applied
         assert last is not None
         raise BrokerUnavailable(
-            f"{last} (gave up after {self._max_retries + 1} attempts)",
+            f"{last} (gave up after {max_retries + 1} attempts)",
             method=method,
             url=_safe(url),
             status=last.status,
@@ -602,7 +684,7 @@ class BrokerClient:
         ) from last.__cause__
 
     async def _attempt(
-        self, method: str, url: httpx.URL, fencing_token: int | None
+        self, method: str, url: httpx.URL, fence: tuple[int | None, str | None]
     ) -> httpx.Response:
         """One attempt, following 307/308 redirects, within one ``timeout`` deadline.
 
@@ -615,7 +697,7 @@ class BrokerClient:
                     request = self._client.build_request(
                         method,
                         url,
-                        headers=self._headers(url, method, fencing_token),
+                        headers=self._headers(url, method, fence),
                         content=b"" if method in ("PUT", "POST") else None,
                     )
                     response = await self._client.send(request)
@@ -637,12 +719,17 @@ class BrokerClient:
             ) from exc
         raise _Retryable(f"more than {MAX_REDIRECTS} redirects", None, "", True)
 
-    def _headers(self, url: httpx.URL, method: str, fencing_token: int | None) -> dict[str, str]:
+    def _headers(
+        self, url: httpx.URL, method: str, fence: tuple[int | None, str | None]
+    ) -> dict[str, str]:
         headers: dict[str, str] = {}
         if self._token is not None and (url.scheme == "https" or self._base_scheme == "http"):
             headers["Authorization"] = f"Bearer {self._token}"
+        fencing_token, fencing_key = fence
         if fencing_token is not None and method != "GET":
             headers[FENCING_HEADER] = str(fencing_token)
+            if fencing_key:
+                headers[FENCING_KEY_HEADER] = fencing_key
         if method in ("PUT", "POST"):
             # Pulsar's Java admin client sends an empty JSON entity: Jersey rejects an
             # entity-taking resource (create topic) without a JSON content type.

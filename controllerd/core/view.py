@@ -1,11 +1,18 @@
-"""The controller's in-memory mirror of etcd: key layout and parsed topic state.
+"""The controller's in-memory mirror of etcd: key layout, parsed topic state, triggers.
 
-Pure (no I/O): the daemon feeds it the initial listing and then every watch
-event; it answers what changed and whether that change should trigger an
-evaluation. A value that does not parse is *rejected* (returned, so the caller
-logs and counts it) and never raises; a topic whose layout is malformed or
-breaks the invariants has no layout until a valid one arrives, so nothing
-acts on it.
+Pure (no I/O): the daemon feeds it every key of the initial load and then every
+watch event; it answers what changed and whether that change asks for an
+evaluation. Every replica keeps one, leader or not (a hot standby acts at once).
+
+**One parsing boundary.** Every value read from etcd goes through
+:meth:`MetadataView.apply_put`, which turns *any* failure to use it (bad JSON,
+wrong types, overflowing numbers, deep nesting, an invariant broken) into a
+:class:`Rejected` naming the key kind and the reason, never an exception: one
+poison value must not stop the load, the watch, or the other topics (issue #10).
+A rejected value is forgotten, never half-applied: a topic whose layout is
+rejected has no layout (nothing acts on it) until a valid one arrives; a
+rejected load record leaves the segment without load (never cold, never hot);
+a rejected cooldown falls back to the one seeded from the layout.
 
 Keys (DESIGN §3), ``M`` = metadata prefix, ``C`` = controller root::
 
@@ -13,28 +20,62 @@ Keys (DESIGN §3), ``M`` = metadata prefix, ``C`` = controller root::
     M/topics/<t>/<ns>/<topic>/subscriptions/<sub>              {"type": ...}
     M/topics/<t>/<ns>/<topic>/subscriptions/<sub>/consumers/<c> registration
     M/topics/<t>/<ns>/<topic>/segments/<id>/load               load record
-    C/leader  C/cooldowns/<topic>  C/policies/<t>[/<ns>]
+    C/leader  C/cooldowns/<topic>  C/policies/<t>[/<ns>[/<topic>]]
     C/cold-since/<topic>/<id>  C/pending-deletes/<topic>/<descriptor>
+    C/members/<replica>  C/shards/<nnnn>                       (sharded mode)
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+import math
+import re
+from array import array
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from controllerd.core.layout import LayoutError, check
+import orjson
+
+from controllerd.core.layout import check
 from controllerd.core.model import (
     Layout,
     LoadSample,
     ModelError,
+    Rates,
     TopicName,
     layout_from_json,
     load_sample_from_json,
 )
 
-ChangeKind = Literal["layout", "subscription", "consumer", "load", "policy", "cooldown", "cold"]
+ChangeKind = Literal[
+    "layout",
+    "subscription",
+    "consumer",
+    "load",
+    "policy",
+    "cooldown",
+    "cold",
+    "pending-delete",
+]
+
+KEY_KINDS: Final = (
+    "layout",
+    "load",
+    "subscription",
+    "consumer",
+    "policy",
+    "cooldown",
+    "cold_since",
+    "pending_delete",
+    "other",
+)
+"""Label values of the rejection counter: every kind of key we parse."""
+
+#: Longest reason kept in a Rejected (a reason can quote the value).
+REASON_LIMIT: Final = 300
+#: Largest integer accepted for a time stamp or id (Java's long, as Pulsar writes them).
+_LONG_MAX: Final = 2**63 - 1
+_DESCRIPTOR: Final = re.compile(r"[0-9a-f]{4}-[0-9a-f]{4}-\d{1,19}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +112,11 @@ class Keys:
     def cooldown(self, topic: TopicName) -> str:
         return f"{self.controller_root}/cooldowns/{topic.path}"
 
-    def policy(self, tenant: str, namespace: str | None = None) -> str:
+    def policy(self, tenant: str, namespace: str | None = None, topic: str | None = None) -> str:
+        """Our override for a tenant, a namespace or (with ``topic``) one topic."""
         suffix = f"/{namespace}" if namespace else ""
+        if topic:
+            suffix += f"/{topic}"
         return f"{self.controller_root}/policies/{tenant}{suffix}"
 
     def cold_since(self, topic: TopicName, segment_id: int) -> str:
@@ -85,6 +129,21 @@ class Keys:
     def pending_delete(self, topic: TopicName, descriptor: str) -> str:
         return f"{self.pending_deletes_prefix}{topic.path}/{descriptor}"
 
+    @property
+    def members_prefix(self) -> str:
+        return f"{self.controller_root}/members/"
+
+    def member(self, replica: str) -> str:
+        return f"{self.members_prefix}{replica}"
+
+    @property
+    def shards_prefix(self) -> str:
+        return f"{self.controller_root}/shards/"
+
+    def shard(self, name: str) -> str:
+        """The leader key of one shard (``name``: see ``core.shards.shard_name``)."""
+        return f"{self.shards_prefix}{name}"
+
 
 @dataclass(frozen=True, slots=True)
 class Cooldown:
@@ -96,12 +155,20 @@ class Cooldown:
     def to_json(self) -> dict[str, int]:
         return {"lastSplitAtMs": self.last_split_ms, "lastMergeAtMs": self.last_merge_ms}
 
+    def newest(self, other: Cooldown) -> Cooldown:
+        """Field by field, the later stamp of the two."""
+        return Cooldown(
+            max(self.last_split_ms, other.last_split_ms),
+            max(self.last_merge_ms, other.last_merge_ms),
+        )
+
 
 def seeded_cooldown(layout: Layout) -> Cooldown:
-    """Cooldown stamps derived from a layout, for topics with none persisted.
+    """Cooldown stamps derived from a layout.
 
     A split child has one parent and a merge child two; the newest of each
-    kind still in the layout dates the last operation of that kind.
+    kind still in the layout dates the last operation of that kind, whoever
+    did it (us, or an operator with ``pulsar-admin``).
     """
     last_split = last_merge = -1
     for seg in layout.segments.values():
@@ -112,7 +179,142 @@ def seeded_cooldown(layout: Layout) -> Cooldown:
     return Cooldown(last_split, last_merge)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class PendingDelete:
+    """A segment our GC pruned from the layout whose data is not yet deleted."""
+
+    topic: TopicName
+    descriptor: str
+    segment_id: int
+    pruned_at_ms: int
+
+
+_NAN: Final = math.nan
+_STRIDE: Final = 7
+"""Doubles per segment row: msg in, byte in, msg out, byte out, changed ms, sampled ms,
+and the cold-since the controller holds in memory for the segment (NaN: none)."""
+_COLD: Final = 6
+
+
+class LoadTable(Mapping[int, LoadSample]):
+    """A topic's load records, packed into arrays: one row of doubles per segment.
+
+    About 70 bytes a segment instead of about 400 as objects (issue #12:
+    100,000 topics x 16 segments must fit in 1.5 GB). Time stamps are whole
+    milliseconds, exact in a double up to 2**53. ``revisions`` holds each
+    record's etcd mod revision, for the first-seen fallback of records
+    without time stamps. Rare extras (a record's own ``coldSinceMs``) live
+    in a small dict. Reading a row builds a :class:`LoadSample`.
+
+    Each row also carries the cold-since the controller derived for the
+    segment and holds in memory (:meth:`cold`, :meth:`set_cold`); a new
+    record for the segment keeps it.
+    """
+
+    __slots__ = ("_extra", "_ids", "_revisions", "_rows")
+
+    def __init__(self) -> None:
+        self._ids = array("q")
+        self._rows = array("d")
+        self._revisions = array("q")
+        self._extra: dict[int, LoadSample] | None = None
+
+    def _slot(self, segment_id: int) -> int:
+        try:
+            return self._ids.index(segment_id)
+        except ValueError:
+            return -1
+
+    def revision(self, segment_id: int) -> int | None:
+        slot = self._slot(segment_id)
+        return None if slot < 0 else self._revisions[slot]
+
+    def put(self, segment_id: int, sample: LoadSample, revision: int) -> None:
+        r = sample.rates
+        slot = self._slot(segment_id)
+        row = (
+            r.msg_rate_in,
+            r.byte_rate_in,
+            r.msg_rate_out,
+            r.byte_rate_out,
+            float(sample.changed_at_ms),
+            _NAN if sample.sampled_at_ms is None else float(sample.sampled_at_ms),
+            _NAN if slot < 0 else self._rows[slot * _STRIDE + _COLD],
+        )
+        if slot < 0:
+            self._ids.append(segment_id)
+            self._rows.extend(row)
+            self._revisions.append(revision)
+        else:
+            self._rows[slot * _STRIDE : (slot + 1) * _STRIDE] = array("d", row)
+            self._revisions[slot] = revision
+        if _needs_extra(sample):
+            if self._extra is None:
+                self._extra = {}
+            self._extra[segment_id] = sample
+        elif self._extra is not None:
+            self._extra.pop(segment_id, None)
+
+    def remove(self, segment_id: int) -> None:
+        slot = self._slot(segment_id)
+        if slot < 0:
+            return
+        del self._ids[slot]
+        del self._rows[slot * _STRIDE : (slot + 1) * _STRIDE]
+        del self._revisions[slot]
+        if self._extra is not None:
+            self._extra.pop(segment_id, None)
+
+    def __getitem__(self, segment_id: int) -> LoadSample:
+        slot = self._slot(segment_id)
+        if slot < 0:
+            raise KeyError(segment_id)
+        if self._extra is not None and segment_id in self._extra:
+            return self._extra[segment_id]
+        base = slot * _STRIDE
+        a, b, c, d, changed, sampled, _ = self._rows[base : base + _STRIDE]
+        return LoadSample(
+            Rates(a, b, c, d), int(changed), None if math.isnan(sampled) else int(sampled)
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids.tolist())
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, segment_id: object) -> bool:
+        return isinstance(segment_id, int) and self._slot(segment_id) >= 0
+
+    def cold(self, segment_id: int) -> int | None:
+        """The cold-since held in memory for the segment, if any."""
+        slot = self._slot(segment_id)
+        if slot < 0:
+            return None
+        value = self._rows[slot * _STRIDE + _COLD]
+        return None if math.isnan(value) else int(value)
+
+    def set_cold(self, segment_id: int, since_ms: int | None) -> None:
+        """Hold (or, with None, forget) a segment's cold-since; no-op without a record."""
+        slot = self._slot(segment_id)
+        if slot >= 0:
+            self._rows[slot * _STRIDE + _COLD] = _NAN if since_ms is None else float(since_ms)
+
+    def samples(self) -> dict[int, LoadSample]:
+        """Every record as a :class:`LoadSample`, built once (for one evaluation)."""
+        return {sid: self[sid] for sid in self._ids}
+
+
+def _needs_extra(sample: LoadSample) -> bool:
+    """Whether a sample holds more than a row can (kept as the object itself)."""
+    return any(
+        getattr(sample, name) is not None
+        for name in sample.__slots__
+        if name not in ("rates", "changed_at_ms", "sampled_at_ms")
+    )
+
+
+@dataclass(slots=True)
 class TopicState:
     """Everything known about one topic. Mutated only by :class:`MetadataView`."""
 
@@ -122,10 +324,7 @@ class TopicState:
     layout_error: str | None = None
     subscriptions: dict[str, str] = field(default_factory=dict)
     consumers: dict[str, set[str]] = field(default_factory=dict)
-    loads: dict[int, LoadSample] = field(default_factory=dict)
-    # segment id -> (mod revision, ms when first seen): the fallback timestamp of
-    # records without one (plain Pulsar, DESIGN §4).
-    load_seen: dict[int, tuple[int, int]] = field(default_factory=dict)
+    loads: LoadTable = field(default_factory=LoadTable)
     cooldown: Cooldown | None = None
     cold_since: dict[int, int] = field(default_factory=dict)
 
@@ -138,23 +337,33 @@ class TopicState:
         }
 
     def effective_cooldown(self) -> Cooldown:
-        if self.cooldown is not None:
-            return self.cooldown
-        return seeded_cooldown(self.layout) if self.layout is not None else Cooldown()
+        """Our persisted stamps, made newer by what the layout shows.
+
+        The layout's newest children date operations we did not do ourselves
+        (an operator's ``pulsar-admin`` split or merge, issue #11), and the
+        persisted stamps survive GC pruning the segments that would date ours.
+        """
+        seeded = seeded_cooldown(self.layout) if self.layout is not None else Cooldown()
+        return seeded if self.cooldown is None else self.cooldown.newest(seeded)
 
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """A watch event that mattered; ``trigger`` asks for an evaluation of ``topic`` now."""
+    """A value that mattered; ``trigger`` asks for an evaluation of ``topic`` now.
+
+    ``segment`` names the segment of a load change (None otherwise), so the
+    caller can tell whether that one record can change a decision.
+    """
 
     kind: ChangeKind
     topic: TopicName | None
     trigger: bool
+    segment: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """A value that was skipped; ``kind`` is the metric label (layout, load, ...)."""
+    """A value that was skipped; ``kind`` is one of :data:`KEY_KINDS` (a metric label)."""
 
     key: str
     kind: str
@@ -164,17 +373,42 @@ class Rejected:
 Outcome = Change | Rejected | None
 
 
-def _json(value: bytes) -> Any:
-    return json.loads(value.decode("utf-8"))
+def parse_json(value: bytes) -> Any:
+    """JSON from etcd bytes: orjson rejects non-UTF-8, depth > 1024 and numbers that
+    overflow a double or a 64-bit integer, all as ValueError (never RecursionError)."""
+    return orjson.loads(value)
+
+
+def _long(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelError(f"{what}: expected an integer, got {_show(value)}")
+    if not -_LONG_MAX - 1 <= value <= _LONG_MAX:
+        raise ModelError(f"{what}: {value} is out of range")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ModelError) else str(exc)
+    return text if len(text) <= REASON_LIMIT else text[: REASON_LIMIT - 3] + "..."
 
 
 class MetadataView:
-    """All topics under the metadata prefix, plus controller-owned state."""
+    """All topics under the metadata prefix, plus the controller-owned state."""
 
     def __init__(self, keys: Keys) -> None:
         self.keys = keys
         self.topics: dict[TopicName, TopicState] = {}
-        self.overrides: dict[tuple[str, str | None], Mapping[str, Any]] = {}
+        self.overrides: dict[tuple[str, str | None, str | None], Mapping[str, Any]] = {}
+        self.pending_deletes: dict[str, PendingDelete] = {}
+        #: Bumped on every override change, so cached resolved policies expire.
+        self.overrides_generation = 0
+        self._topics_prefix = keys.topics_prefix
+        self._controller_prefix = keys.controller_prefix
 
     def topic(self, name: TopicName) -> TopicState:
         state = self.topics.get(name)
@@ -183,64 +417,115 @@ class MetadataView:
         return state
 
     def overrides_for(self, topic: TopicName) -> tuple[Mapping[str, Any] | None, ...]:
-        """Tenant then namespace override, broadest first."""
+        """Our overrides for this topic, broadest first: tenant, namespace, topic."""
         return (
-            self.overrides.get((topic.tenant, None)),
-            self.overrides.get((topic.tenant, topic.namespace)),
+            self.overrides.get((topic.tenant, None, None)),
+            self.overrides.get((topic.tenant, topic.namespace, None)),
+            self.overrides.get((topic.tenant, topic.namespace, topic.topic)),
         )
 
-    # -- events --------------------------------------------------------------------------
+    def keys_held(self, prefix: str) -> list[str]:
+        """Every key under ``prefix`` whose value the view holds.
+
+        After a reload that follows a compaction, keys held but not seen again
+        were deleted while we were not watching: the caller deletes them.
+        """
+        held: list[str] = []
+        k = self.keys
+        if k.topics_prefix.startswith(prefix) or prefix.startswith(k.topics_prefix):
+            for name, state in self.topics.items():
+                held.append(k.layout(name))
+                held.extend(k.subscription(name, sub) for sub in state.subscriptions)
+                for sub, consumers in state.consumers.items():
+                    held.extend(k.consumer(name, sub, c) for c in consumers)
+                held.extend(k.load(name, sid) for sid in state.loads)
+        if k.controller_prefix.startswith(prefix) or prefix.startswith(k.controller_prefix):
+            for name, state in self.topics.items():
+                if state.cooldown is not None:
+                    held.append(k.cooldown(name))
+                held.extend(k.cold_since(name, sid) for sid in state.cold_since)
+            held.extend(k.policy(t, ns, topic) for t, ns, topic in self.overrides)
+            held.extend(self.pending_deletes)
+        return [key for key in held if key.startswith(prefix)]
+
+    # -- the parsing boundary -------------------------------------------------------------
 
     def apply_put(self, key: str, value: bytes, mod_revision: int, now_ms: int) -> Outcome:
+        """Apply one key's new value; never raises (see the module docstring)."""
         try:
-            if key.startswith(self.keys.topics_prefix):
+            if key.startswith(self._topics_prefix):
                 return self._put_metadata(key, value, mod_revision, now_ms)
-            if key.startswith(self.keys.controller_prefix):
+            if key.startswith(self._controller_prefix):
                 return self._put_controller(key, value)
-        except (ModelError, LayoutError, ValueError, UnicodeDecodeError) as exc:
-            kind = self._kind_of(key)
+        except Exception as exc:  # the boundary: any failure is a rejection
+            kind = self.kind_of(key)
             if kind == "layout":
-                self._drop_layout(key, str(exc))
-            return Rejected(key, kind, str(exc))
+                self._drop_layout(key, _reason(exc))
+            elif kind == "load":
+                self._drop_load(key)
+            elif kind == "cooldown":
+                self._drop_controller_value(key)
+            return Rejected(key, kind, _reason(exc))
         return None
 
     def apply_delete(self, key: str) -> Outcome:
+        """Apply one key's deletion; never raises."""
         try:
-            if key.startswith(self.keys.topics_prefix):
+            if key.startswith(self._topics_prefix):
                 return self._delete_metadata(key)
-            if key.startswith(self.keys.controller_prefix):
+            if key.startswith(self._controller_prefix):
                 return self._delete_controller(key)
-        except (ModelError, ValueError) as exc:
-            return Rejected(key, self._kind_of(key), str(exc))
+        except Exception as exc:  # the boundary, as for puts
+            return Rejected(key, self.kind_of(key), _reason(exc))
         return None
 
-    # -- metadata prefix -----------------------------------------------------------------
+    def kind_of(self, key: str) -> str:
+        """The :data:`KEY_KINDS` label of a key (for counting rejections)."""
+        if key.startswith(self._topics_prefix):
+            parsed = self._split_metadata(key)
+            if parsed is None:
+                return "other"
+            rest = parsed[1]
+            if not rest:
+                return "layout"
+            if rest[0] == "segments":
+                return "load"
+            if rest[0] == "subscriptions":
+                return "consumer" if len(rest) == 4 else "subscription"
+            return "other"
+        parts = key[len(self._controller_prefix) :].split("/", 1)
+        return {
+            "policies": "policy",
+            "cooldowns": "cooldown",
+            "cold-since": "cold_since",
+            "pending-deletes": "pending_delete",
+        }.get(parts[0], "other")
+
+    # -- metadata prefix ------------------------------------------------------------------
 
     def _split_metadata(self, key: str) -> tuple[TopicName, list[str]] | None:
-        parts = key[len(self.keys.topics_prefix) :].split("/")
+        parts = key[len(self._topics_prefix) :].split("/")
         if len(parts) < 3:
             return None
         try:
-            return TopicName(*parts[:3]), parts[3:]
+            return TopicName(parts[0], parts[1], parts[2]), parts[3:]
         except ModelError:
             return None
-
-    def _kind_of(self, key: str) -> str:
-        parsed = self._split_metadata(key) if key.startswith(self.keys.topics_prefix) else None
-        if parsed is None:
-            return "policy" if "/policies/" in key else "controller"
-        rest = parsed[1]
-        if not rest:
-            return "layout"
-        if rest[0] == "segments":
-            return "load"
-        return "consumer" if len(rest) == 4 else "subscription"
 
     def _drop_layout(self, key: str, error: str) -> None:
         parsed = self._split_metadata(key)
         if parsed is not None and not parsed[1]:
             state = self.topic(parsed[0])
             state.layout, state.layout_error = None, error
+
+    def _drop_load(self, key: str) -> None:
+        parsed = self._split_metadata(key)
+        if parsed is None:
+            return
+        state = self.topics.get(parsed[0])
+        rest = parsed[1]
+        if state is not None and len(rest) == 3 and rest[1].isdigit():
+            state.loads.remove(int(rest[1]))
 
     def _put_metadata(self, key: str, value: bytes, mod_revision: int, now_ms: int) -> Outcome:
         parsed = self._split_metadata(key)
@@ -249,38 +534,43 @@ class MetadataView:
         name, rest = parsed
         match rest:
             case []:
-                layout = check(layout_from_json(_json(value)))
+                layout = check(layout_from_json(parse_json(value)))
                 state = self.topic(name)
                 state.layout, state.layout_revision, state.layout_error = layout, mod_revision, None
                 for sid in [s for s in state.loads if s not in layout.segments]:
-                    del state.loads[sid]
-                    state.load_seen.pop(sid, None)
+                    state.loads.remove(sid)
                 for sid in [s for s in state.cold_since if s not in layout.segments]:
                     del state.cold_since[sid]
                 return Change("layout", name, True)
             case ["subscriptions", sub]:
-                raw = _json(value) if value.strip() else {}
-                kind = str(raw.get("type", "STREAM")).upper() if isinstance(raw, dict) else ""
+                raw = parse_json(value) if value.strip() else {}
+                kind = raw.get("type", "STREAM") if isinstance(raw, dict) else None
+                kind = kind.upper() if isinstance(kind, str) else kind
                 if kind not in ("STREAM", "QUEUE", "CHECKPOINT"):
-                    raise ModelError(f"subscription type {raw!r} is not STREAM|QUEUE|CHECKPOINT")
+                    raise ModelError(f"subscription type {_show(kind)} is not STREAM or QUEUE")
                 state = self.topic(name)
                 changed = state.subscriptions.get(sub) != kind
                 state.subscriptions[sub] = kind
                 return Change("subscription", name, changed)
             case ["subscriptions", sub, "consumers", consumer]:
+                # The key's existence is the registration (Pulsar writes {}); the value
+                # is never read, so no value can make a consumer invisible.
                 names = self.topic(name).consumers.setdefault(sub, set())
                 new = consumer not in names
                 names.add(consumer)
                 return Change("consumer", name, new)
             case ["segments", sid_text, "load"]:
-                sid = int(sid_text)
+                sid = _long(_segment_id(sid_text), "segment id")
                 state = self.topic(name)
-                seen = state.load_seen.get(sid)
-                first_seen = seen[1] if seen is not None and seen[0] == mod_revision else now_ms
-                sample = load_sample_from_json(_json(value), f"load[{sid}]", seen_at_ms=first_seen)
-                state.loads[sid] = sample
-                state.load_seen[sid] = (mod_revision, first_seen)
-                return Change("load", name, True)
+                seen_rev = state.loads.revision(sid)
+                first_seen = now_ms
+                if seen_rev == mod_revision:  # the same version again (a reload): keep its time
+                    first_seen = state.loads[sid].changed_at_ms
+                sample = load_sample_from_json(
+                    parse_json(value), f"load[{sid}]", seen_at_ms=first_seen
+                )
+                state.loads.put(sid, sample, mod_revision)
+                return Change("load", name, True, sid)
         return None
 
     def _delete_metadata(self, key: str) -> Outcome:
@@ -305,42 +595,58 @@ class MetadataView:
                 names.discard(consumer)
                 return Change("consumer", name, gone)
             case ["segments", sid_text, "load"]:
-                sid = int(sid_text)
-                state.loads.pop(sid, None)
-                state.load_seen.pop(sid, None)
+                state.loads.remove(_segment_id(sid_text))
                 return Change("load", name, False)
         return None
 
-    # -- controller prefix ---------------------------------------------------------------
+    # -- controller prefix ----------------------------------------------------------------
 
     def _controller_parts(self, key: str) -> list[str]:
-        return key[len(self.keys.controller_prefix) :].split("/")
+        return key[len(self._controller_prefix) :].split("/")
 
     def _put_controller(self, key: str, value: bytes) -> Outcome:
         match self._controller_parts(key):
-            case ["policies", tenant, *ns] if len(ns) <= 1:
-                raw = _json(value)
+            case ["policies", tenant, *scope] if len(scope) <= 2:
+                raw = parse_json(value)
                 if not isinstance(raw, dict):
                     raise ModelError("policy override must be a JSON object")
-                self.overrides[(tenant, ns[0] if ns else None)] = raw
+                self.overrides[_scope(tenant, scope)] = raw
+                self.overrides_generation += 1
                 return Change("policy", None, True)
             case ["cooldowns", t, n, topic]:
-                raw = _json(value)
-                if not isinstance(raw, dict):
-                    raise ModelError("cooldown must be a JSON object")
-                self.topic(TopicName(t, n, topic)).cooldown = Cooldown(
-                    int(raw.get("lastSplitAtMs", -1)), int(raw.get("lastMergeAtMs", -1))
-                )
-                return Change("cooldown", TopicName(t, n, topic), False)
+                name = TopicName(t, n, topic)
+                self.topic(name).cooldown = parse_cooldown(parse_json(value))
+                return Change("cooldown", name, False)
             case ["cold-since", t, n, topic, sid]:
-                self.topic(TopicName(t, n, topic)).cold_since[int(sid)] = int(_json(value))
-                return Change("cold", TopicName(t, n, topic), False)
+                name = TopicName(t, n, topic)
+                since = _long(parse_json(value), "cold-since")
+                if since < 0:
+                    raise ModelError(f"cold-since: must be >= 0, got {since}")
+                self.topic(name).cold_since[_segment_id(sid)] = since
+                return Change("cold", name, False)
+            case ["pending-deletes", t, n, topic, descriptor]:
+                marker = parse_pending_delete(parse_json(value))
+                if marker.topic != TopicName(t, n, topic) or marker.descriptor != descriptor:
+                    raise ModelError(
+                        f"pending delete for {marker.topic} {marker.descriptor} "
+                        "is stored under another key"
+                    )
+                self.pending_deletes[key] = marker
+                return Change("pending-delete", marker.topic, False)
         return None
+
+    def _drop_controller_value(self, key: str) -> None:
+        match self._controller_parts(key):
+            case ["cooldowns", t, n, topic]:
+                state = self.topics.get(TopicName(t, n, topic))
+                if state is not None:
+                    state.cooldown = None
 
     def _delete_controller(self, key: str) -> Outcome:
         match self._controller_parts(key):
-            case ["policies", tenant, *ns] if len(ns) <= 1:
-                self.overrides.pop((tenant, ns[0] if ns else None), None)
+            case ["policies", tenant, *scope] if len(scope) <= 2:
+                self.overrides.pop(_scope(tenant, scope), None)
+                self.overrides_generation += 1
                 return Change("policy", None, True)
             case ["cooldowns", t, n, topic]:
                 state = self.topics.get(TopicName(t, n, topic))
@@ -350,6 +656,45 @@ class MetadataView:
             case ["cold-since", t, n, topic, sid]:
                 state = self.topics.get(TopicName(t, n, topic))
                 if state is not None:
-                    state.cold_since.pop(int(sid), None)
+                    state.cold_since.pop(_segment_id(sid), None)
                 return Change("cold", TopicName(t, n, topic), False)
+            case ["pending-deletes", *_]:
+                marker = self.pending_deletes.pop(key, None)
+                return Change("pending-delete", marker.topic if marker else None, False)
         return None
+
+
+def _scope(tenant: str, scope: list[str]) -> tuple[str, str | None, str | None]:
+    return (tenant, scope[0] if scope else None, scope[1] if len(scope) > 1 else None)
+
+
+def _segment_id(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or len(text) > 19:
+        raise ModelError(f"segment id {_show(text)} is not a non-negative integer")
+    return int(text)
+
+
+def parse_cooldown(raw: Any) -> Cooldown:
+    """A persisted cooldown stamp: ``{"lastSplitAtMs": int, "lastMergeAtMs": int}``."""
+    if not isinstance(raw, dict):
+        raise ModelError(f"cooldown: expected a JSON object, got {_show(raw)}")
+    return Cooldown(
+        _long(raw.get("lastSplitAtMs", -1), "cooldown.lastSplitAtMs"),
+        _long(raw.get("lastMergeAtMs", -1), "cooldown.lastMergeAtMs"),
+    )
+
+
+def parse_pending_delete(raw: Any) -> PendingDelete:
+    """A pending-delete marker written by our GC's prune transaction."""
+    if not isinstance(raw, dict):
+        raise ModelError(f"pending delete: expected a JSON object, got {_show(raw)}")
+    topic, descriptor = raw.get("topic"), raw.get("descriptor")
+    if not isinstance(topic, str) or not isinstance(descriptor, str):
+        raise ModelError("pending delete: topic and descriptor must be strings")
+    if _DESCRIPTOR.fullmatch(descriptor) is None:
+        raise ModelError(f"pending delete: {_show(descriptor)} is not a segment descriptor")
+    segment_id = _long(raw.get("segmentId"), "pending delete.segmentId")
+    if segment_id < 0 or not descriptor.endswith(f"-{segment_id}"):
+        raise ModelError(f"pending delete: segmentId {segment_id} does not match {descriptor}")
+    pruned = _long(raw.get("prunedAtMs", 0), "pending delete.prunedAtMs")
+    return PendingDelete(TopicName.parse(topic), descriptor, segment_id, pruned)

@@ -1,42 +1,60 @@
-"""Leader-only work: observe etcd, decide with the pure core, act through the broker.
+"""Observe the view, decide with the pure core, act through the broker.
 
-One :class:`Controller` lives for one term of leadership and is cancelled the
-moment leadership is lost. Invariants it keeps:
+One :class:`Controller` lives as long as the process. It acts only on the
+topics whose *scope* this replica leads: the whole cluster in single mode
+(scope ``None``), or one shard per scope in sharded mode. Leadership of a
+scope is granted and revoked by the runtime; the view is kept warm by the
+:class:`~controllerd.daemon.follower.Follower` whether we lead or not.
 
-* per topic at most one evaluation runs at a time (the in-flight guard); a
-  trigger that arrives meanwhile sets a flag and the topic is evaluated exactly
-  once more afterwards, so no trigger is lost and a burst costs one re-run;
-* a cooldown is stamped only after the broker confirmed the operation, and a
-  broker failure always releases the guard (``finally``) and stamps nothing;
-* every mutation carries the fencing token; GC's prune is an etcd transaction
-  that also compares the leader key's create revision with it;
-* segment cold-since times are persisted on cold/warm transitions so the next
-  leader keeps them (DESIGN §8.1); missing or stale load is never cold.
+Invariants:
+
+* per topic at most one evaluation runs at a time; a trigger that arrives
+  meanwhile is remembered and the topic is evaluated exactly once more
+  afterwards, so no trigger is lost and a burst costs one re-run;
+* triggers are coalesced in a de-duplicated queue served by a fixed pool of
+  workers (urgent events before background ticks), never a task per trigger;
+  timers (settling, retries, cooldown follow-ups) share one heap and one task;
+* nothing acts unless the topic's scope is led *at that instant*
+  (:meth:`Leadership.is_leader` reads the lease deadline), and every mutation
+  carries the scope's fencing key and token; GC's prune and every write of
+  our own state is an etcd transaction fenced on that key;
+* a cooldown is stamped only after the broker confirmed the operation (or
+  the layout proves an unanswered request was applied); a broker failure
+  releases the guard, stamps nothing and retries on the shared backoff;
+* a held-back decision (split or merge cooldown, whoever stamped it)
+  schedules exactly one follow-up evaluation when the cooldown ends;
+* loops over all topics run in slices and yield, so the event loop never
+  stalls on 100,000 topics.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-from collections.abc import Callable, Mapping
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
+import orjson
 import structlog
 
 from controllerd.adapters import backoff
 from controllerd.adapters.audit import AuditSink
-from controllerd.adapters.broker import BrokerClient, BrokerError, Fenced
+from controllerd.adapters.broker import BrokerClient, BrokerError, Fenced, Unauthorized
 from controllerd.adapters.election import Leadership
-from controllerd.adapters.store import Compare, Put, Store, WatchCompacted
+from controllerd.adapters.store import Compare, Delete, Put, Store, StoreError
 from controllerd.config import Config
 from controllerd.core import gc
 from controllerd.core.layout import prune
 from controllerd.core.model import (
     Decision,
+    LoadSample,
     Merge,
     NoAction,
     PolicySettings,
@@ -53,7 +71,17 @@ from controllerd.core.policy import (
     is_stale,
     resolve_policy,
 )
-from controllerd.core.view import Change, Cooldown, MetadataView, Rejected, TopicState
+from controllerd.core.shards import shard_of
+from controllerd.core.view import (
+    Change,
+    Cooldown,
+    MetadataView,
+    Outcome,
+    Rejected,
+    TopicState,
+    parse_json,
+    parse_pending_delete,
+)
 from controllerd.daemon.clock import Clock
 from controllerd.daemon.metrics import Metrics
 
@@ -61,9 +89,20 @@ log = structlog.get_logger("controllerd.daemon.controller")
 
 #: How long to wait for the broker's new layout to show up in etcd after an
 #: operation before evaluating the topic on the old one again.
-LAYOUT_CATCH_UP_SECONDS = 5.0
-#: Most evaluations (and so admin calls) in flight at once across topics.
-MAX_CONCURRENT_EVALUATIONS = 16
+LAYOUT_CATCH_UP_SECONDS: Final = 5.0
+#: Evaluations (and so admin calls) in flight at once across topics: the workers.
+MAX_CONCURRENT_EVALUATIONS: Final = 16
+#: Topics handled between two yields to the event loop in loops over all topics.
+SLICE: Final = 500
+#: Most puts/deletes of our own state in one fenced transaction (etcd allows 128).
+WRITE_BATCH: Final = 100
+#: Seconds our own state writes may wait to be batched.
+WRITE_DELAY: Final = 0.05
+#: Follow-up reasons that wait for a cooldown to end.
+_HELD_BACK: Final = {"split-cooldown": "split", "merge-cooldown": "merge"}
+
+Scope = int | None
+"""``None``: every topic (single mode); an int: one shard (sharded mode)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +115,16 @@ class DecisionRecord:
     outcome: str
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """The last operation we attempted on a topic and how many times it failed."""
+
+    decision: dict[str, Any]
+    failures: int
+
+
 class Controller:
-    """The leader's control loop for every topic under the metadata prefix."""
+    """The control loop for every topic of every scope this replica leads."""
 
     def __init__(
         self,
@@ -86,112 +133,167 @@ class Controller:
         store: Store,
         broker: BrokerClient,
         view: MetadataView,
-        leadership: Leadership,
         metrics: Metrics,
         audit: AuditSink,
         clock: Clock,
         replica: str,
         history: collections.deque[DecisionRecord] | None = None,
+        shards: int | None = None,
+        on_operator_error: Callable[[str, str], None] | None = None,
     ) -> None:
         self._config = config
         self._store = store
         self._broker = broker
         self.view = view
-        self._leadership = leadership
         self._metrics = metrics
         self._audit = audit
         self._clock = clock
         self._replica = replica
+        self._shards = shards
+        self._on_operator_error = on_operator_error
         self.history = history if history is not None else collections.deque(maxlen=100)
         self._keys = view.keys
-        self._in_flight: set[TopicName] = set()
+        self._scopes: dict[Scope, Leadership] = {}
+        # the work queue
+        self._urgent: collections.deque[TopicName] = collections.deque()
+        self._background: collections.deque[TopicName] = collections.deque()
+        self._queued: set[TopicName] = set()
+        self._in_flight: dict[TopicName, anyio.CancelScope] = {}
         self._again: set[TopicName] = set()
+        self._items = anyio.Semaphore(0)
+        # timers: (due monotonic, seq, topic, why)
+        self._timers: list[tuple[float, int, TopicName, str]] = []
+        self._timer_seq = itertools.count()
+        self._timer_scope: anyio.CancelScope | None = None
         self._settling: set[TopicName] = set()
+        self._followups: dict[TopicName, float] = {}
+        # per-topic memory
         self._awaiting: dict[TopicName, tuple[int, float]] = {}
-        self._failures: dict[TopicName, int] = {}
-        self._limiter = anyio.Semaphore(MAX_CONCURRENT_EVALUATIONS)
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._attempts: dict[TopicName, _Attempt] = {}
+        self._policies: dict[TopicName, tuple[object, PolicySettings | PolicyInvalid]] = {}
+        self._config_generation = 0
+        self._config_seen: Config | None = None
+        # our own state, written behind in fenced batches: key -> (value or None, scope)
+        self._writes: dict[str, tuple[bytes | None, Scope]] = {}
+        self._write_wake = anyio.Event()
+        self._running = False
         self.ready = anyio.Event()
 
-    @property
-    def token(self) -> int:
-        return self._leadership.token
+    # -- scopes ---------------------------------------------------------------------------
 
-    # -- lifecycle -----------------------------------------------------------------------
+    def scope_of(self, topic: TopicName) -> Scope:
+        return None if self._shards is None else shard_of(topic, self._shards)
+
+    def leadership_for(self, topic: TopicName) -> Leadership | None:
+        """The leadership to act on ``topic`` with, only while it is valid."""
+        leadership = self._scopes.get(self.scope_of(topic))
+        return leadership if leadership is not None and leadership.is_leader() else None
+
+    def leads(self, topic: TopicName) -> bool:
+        return self.leadership_for(topic) is not None
+
+    @property
+    def scopes(self) -> Mapping[Scope, Leadership]:
+        return self._scopes
+
+    def grant(self, scope: Scope, leadership: Leadership) -> None:
+        """We now lead ``scope``: evaluate every topic in it (in the background)."""
+        self._scopes[scope] = leadership
+        if self._running:
+            self._enqueue_all(scope)
+
+    def revoke(self, scope: Scope) -> None:
+        """We no longer lead ``scope``: stop every evaluation in it at once."""
+        self._scopes.pop(scope, None)
+        for topic, cancel in list(self._in_flight.items()):
+            if scope is None or self.scope_of(topic) == scope:
+                cancel.cancel()
+
+    def _enqueue_all(self, scope: Scope) -> None:
+        for topic in self.view.topics:
+            if scope is None or self.scope_of(topic) == scope:
+                self.trigger(topic, urgent=False)
+
+    # -- lifecycle ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Load everything, then follow the watches and tick until cancelled."""
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            meta_rev = await self._load_prefix(self._keys.topics_prefix)
-            ctl_rev = await self._load_prefix(self._keys.controller_prefix)
-            self._metrics.topics.set(len(self.view.topics))
-            log.info("controller.started", topics=len(self.view.topics), token=self.token)
-            tg.start_soon(self._watch, self._keys.topics_prefix, meta_rev + 1, name="watcher")
-            tg.start_soon(
-                self._watch, self._keys.controller_prefix, ctl_rev + 1, name="watcher-ctl"
-            )
-            tg.start_soon(self._ticker, name="ticker")
-            tg.start_soon(self._gc_ticker, name="gc")
-            for topic in sorted(self.view.topics):
-                self.trigger(topic)
-            self.ready.set()
+        """Serve triggers, timers, ticks and GC until cancelled."""
+        self._running = True
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(MAX_CONCURRENT_EVALUATIONS):
+                    tg.start_soon(self._worker, name=f"evaluator-{i}")
+                tg.start_soon(self._timer_loop, name="timers")
+                tg.start_soon(self._ticker, name="ticker")
+                tg.start_soon(self._gc_ticker, name="gc")
+                tg.start_soon(self._writer, name="state-writer")
+                for scope in list(self._scopes):
+                    self._enqueue_all(scope)
+                self.ready.set()
+        finally:
+            self._running = False
 
-    async def _load_prefix(self, prefix: str) -> int:
-        kvs, revision = await self._store.get_prefix(prefix)
-        now = self._clock.now_ms()
-        for kv in kvs:
-            self._note(self.view.apply_put(kv.key, kv.value, kv.mod_revision, now))
-        return revision
+    # -- events ---------------------------------------------------------------------------
 
-    async def _watch(self, prefix: str, start_revision: int) -> None:
-        revision = start_revision
-        while True:
-            try:
-                async for batch in self._store.watch_prefix(prefix, revision):
-                    now = self._clock.now_ms()
-                    for event in batch:
-                        revision = max(revision, event.mod_revision + 1)
-                        if event.kind == "put":
-                            outcome = self.view.apply_put(
-                                event.key, event.value, event.mod_revision, now
-                            )
-                        else:
-                            outcome = self.view.apply_delete(event.key)
-                        self._note(outcome)
-                return
-            except WatchCompacted:
-                self._metrics.watch_restarts.inc()
-                log.warning("watch.compacted", prefix=prefix, revision=revision)
-                revision = await self._load_prefix(prefix) + 1
-
-    def _note(self, outcome: Change | Rejected | None) -> None:
-        """Count rejections; trigger evaluations for changes that ask for one."""
+    def note(self, outcome: Outcome) -> None:
+        """One applied etcd value (from the follower): count rejections, trigger work."""
+        if outcome is None:
+            return
         if isinstance(outcome, Rejected):
-            counter = (
-                self._metrics.load_records_rejected
-                if outcome.kind == "load"
-                else self._metrics.layouts_rejected
-            )
-            counter.labels(reason=outcome.kind).inc()
+            self._metrics.metadata_rejected.labels(kind=outcome.kind).inc()
+            if outcome.kind == "load":
+                self._metrics.load_records_rejected.labels(reason=outcome.kind).inc()
+            elif outcome.kind == "layout":
+                self._metrics.layouts_rejected.labels(reason=outcome.kind).inc()
             log.warning(
                 "metadata.rejected", key=outcome.key, kind=outcome.kind, reason=outcome.reason
             )
             return
-        if outcome is None:
-            return
-        self._metrics.topics.set(len(self.view.topics))
         if outcome.kind == "layout" and outcome.topic is not None:
             self._layout_arrived(outcome.topic)
-        if not outcome.trigger or self._tg is None:
+            self._policies.pop(outcome.topic, None)
+        if outcome.kind == "policy":
+            self._policies.clear()
+        if not outcome.trigger or not self._running:
             return
         if outcome.topic is None:
-            for topic in sorted(self.view.topics):
-                self.trigger(topic)
+            for scope in list(self._scopes):
+                self._enqueue_all(scope)
+        elif not self.leads(outcome.topic):
+            return
         elif outcome.kind == "consumer":
             self._settle(outcome.topic)
+        elif outcome.kind == "load":
+            if self._load_matters(outcome):
+                self.trigger(outcome.topic)
         else:
             self.trigger(outcome.topic)
+
+    def _load_matters(self, change: Change) -> bool:
+        """Whether one new load record can change a decision or our cold bookkeeping.
+
+        The gate that lets a replica follow thousands of load writes a second:
+        most records are neither over a split threshold, nor crossing a merge
+        threshold, nor due a persisted cold-since. Windows that expire with
+        time are the ticker's and the timers' job.
+        """
+        assert change.topic is not None and change.segment is not None
+        state = self.view.topics.get(change.topic)
+        if state is None or state.layout is None or change.segment not in state.loads:
+            return False
+        policy = self.resolved_policy(state)
+        if not isinstance(policy, PolicySettings):
+            return False
+        sample = state.loads[change.segment]
+        if _over(sample.rates, policy.split_thresholds):
+            return True
+        cold = below(sample.rates, policy.merge_thresholds)
+        held = state.loads.cold(change.segment)
+        persisted = state.cold_since.get(change.segment)
+        if cold != (held is not None or persisted is not None):
+            return True  # a cold/warm transition
+        # cold all along, but the record changed: the window must now be persisted
+        return cold and persisted is None and held is not None and held < sample.changed_at_ms
 
     def _settle(self, topic: TopicName) -> None:
         """Evaluate after ``consumer_settle_seconds`` so a burst of registrations is one."""
@@ -200,16 +302,7 @@ class Controller:
             self.trigger(topic)
         elif topic not in self._settling:
             self._settling.add(topic)
-
-            async def settled() -> None:
-                try:
-                    await self._clock.sleep(settle)
-                finally:
-                    self._settling.discard(topic)
-                self.trigger(topic)
-
-            assert self._tg is not None
-            self._tg.start_soon(settled, name=f"settle:{topic}")
+            self._after(settle, topic, "settle")
 
     def _layout_arrived(self, topic: TopicName) -> None:
         awaited = self._awaiting.get(topic)
@@ -219,69 +312,138 @@ class Controller:
         ):
             del self._awaiting[topic]
 
-    async def _ticker(self) -> None:
-        while True:
-            await self._clock.sleep(self._config().autoscale.interval_seconds)
-            for topic in sorted(self.view.topics):
-                self.trigger(topic)
+    # -- the work queue -------------------------------------------------------------------
 
-    async def _gc_ticker(self) -> None:
-        while True:
-            await self._clock.sleep(self._config().gc.interval_seconds)
-            await self.gc_round()
-
-    def _after(self, seconds: float, topic: TopicName, why: str) -> None:
-        """Evaluate ``topic`` again after ``seconds`` of clock time."""
-
-        async def timer() -> None:
-            await self._clock.sleep(seconds)
-            log.debug("evaluation.timer", topic=str(topic), why=why)
-            self.trigger(topic)
-
-        assert self._tg is not None
-        self._tg.start_soon(timer, name=f"timer:{topic}")
-
-    # -- evaluation ----------------------------------------------------------------------
-
-    def trigger(self, topic: TopicName) -> None:
-        """Ask for an evaluation of ``topic``; coalesces while one is in flight."""
+    def trigger(self, topic: TopicName, *, urgent: bool = True) -> None:
+        """Ask for an evaluation of ``topic``; coalesces while one is queued or in flight."""
         if topic in self._in_flight:
             self._again.add(topic)
             return
-        self._in_flight.add(topic)
-        assert self._tg is not None
-        self._tg.start_soon(self._evaluate_loop, topic, name=f"evaluate:{topic}")
+        if topic in self._queued:
+            if urgent and topic not in self._urgent:
+                self._urgent.append(topic)  # promoted; the background entry is skipped
+                self._items.release()
+            return
+        self._queued.add(topic)
+        (self._urgent if urgent else self._background).append(topic)
+        self._items.release()
 
-    async def _evaluate_loop(self, topic: TopicName) -> None:
-        try:
-            while True:
+    def _next(self) -> TopicName | None:
+        while self._urgent or self._background:
+            topic = self._urgent.popleft() if self._urgent else self._background.popleft()
+            if topic in self._queued:
+                self._queued.discard(topic)
+                return topic
+        return None
+
+    async def _worker(self) -> None:
+        while True:
+            await self._items.acquire()
+            topic = self._next()
+            if topic is None:
+                continue
+            cancel = anyio.CancelScope()
+            self._in_flight[topic] = cancel
+            try:
+                with cancel:
+                    while True:
+                        self._again.discard(topic)
+                        started = anyio.current_time()
+                        try:
+                            await self.evaluate(topic)
+                        except Exception:
+                            # One topic's bug must not stop the others; the next trigger retries.
+                            log.exception("evaluation.failed", topic=str(topic))
+                        self._metrics.evaluation_duration.observe(anyio.current_time() - started)
+                        if topic not in self._again:
+                            break
+            finally:
+                del self._in_flight[topic]
                 self._again.discard(topic)
-                async with self._limiter:
-                    started = anyio.current_time()
-                    try:
-                        await self.evaluate(topic)
-                    except Exception:
-                        # One topic's bug must not stop the others; the next trigger retries.
-                        log.exception("evaluation.failed", topic=str(topic))
-                    self._metrics.evaluation_duration.observe(anyio.current_time() - started)
-                if topic not in self._again:
-                    return
-        finally:
-            self._in_flight.discard(topic)
-            self._again.discard(topic)
+
+    # -- timers ---------------------------------------------------------------------------
+
+    def _after(self, seconds: float, topic: TopicName, why: str) -> None:
+        """Evaluate ``topic`` again after ``seconds`` of clock time."""
+        due = self._clock.monotonic() + max(0.0, seconds)
+        entry = (due, next(self._timer_seq), topic, why)
+        heapq.heappush(self._timers, entry)
+        if self._timers[0] is entry and self._timer_scope is not None:
+            self._timer_scope.cancel()  # the sleeper waits for a later timer: wake it
+
+    def _follow_up(self, topic: TopicName, seconds: float, why: str) -> None:
+        """At most one pending follow-up per topic: the earliest wins."""
+        due = self._clock.monotonic() + seconds
+        pending = self._followups.get(topic)
+        if pending is not None and pending <= due + 1e-6:
+            return
+        self._followups[topic] = due
+        self._after(seconds, topic, why)
+
+    async def _timer_loop(self) -> None:
+        while True:
+            now = self._clock.monotonic()
+            while self._timers and self._timers[0][0] <= now:
+                _, _, topic, why = heapq.heappop(self._timers)
+                self._fire(topic, why)
+            delay = self._timers[0][0] - now if self._timers else math.inf
+            with anyio.CancelScope() as scope:
+                self._timer_scope = scope
+                if math.isinf(delay):
+                    await anyio.sleep_forever()
+                await self._clock.sleep(delay)
+            self._timer_scope = None
+            await anyio.lowlevel.checkpoint()
+
+    def _fire(self, topic: TopicName, why: str) -> None:
+        log.debug("evaluation.timer", topic=str(topic), why=why)
+        if why == "settle":
+            self._settling.discard(topic)
+        elif why in _HELD_BACK or why == "split-cooldown-expired":
+            due = self._followups.get(topic)
+            if due is not None and due <= self._clock.monotonic() + 1e-6:
+                del self._followups[topic]
+        if topic in self.view.topics and self.leads(topic):
+            self.trigger(topic)
+
+    async def _ticker(self) -> None:
+        """The safety net: every topic we lead, evaluated every interval, in slices."""
+        while True:
+            await self._clock.sleep(self._config().autoscale.interval_seconds)
+            for i, topic in enumerate(list(self.view.topics)):
+                if self.leads(topic):
+                    self.trigger(topic, urgent=False)
+                if i % SLICE == SLICE - 1:
+                    await anyio.lowlevel.checkpoint()
+
+    # -- evaluation -----------------------------------------------------------------------
 
     def resolved_policy(self, state: TopicState) -> PolicySettings | PolicyInvalid:
+        """The topic's policy, cached until its layout, an override or the config changes."""
+        config = self._config()
+        if config is not self._config_seen:
+            self._config_seen = config
+            self._config_generation += 1
+            self._policies.clear()
+        stamp = (self._config_generation, self.view.overrides_generation, state.layout_revision)
+        cached = self._policies.get(state.name)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
         layout = state.layout
-        return resolve_policy(
-            self._config().policy,
-            *self.view.overrides_for(state.name),
+        resolved = resolve_policy(
+            config.policy,
+            *self.view.overrides_for(state.name)[:2],
             layout.auto_scale_policy if layout is not None else None,
+            self.view.overrides_for(state.name)[2],
         )
+        self._policies[state.name] = (stamp, resolved)
+        return resolved
 
     async def evaluate(self, topic: TopicName) -> Decision | None:
         """Decide one topic and act on the decision; None when there was nothing to decide."""
         state = self.view.topics.get(topic)
-        if state is None or state.layout is None or self._leadership.lost.is_set():
+        leadership = self.leadership_for(topic)
+        if state is None or state.layout is None or leadership is None:
             return None
         awaited = self._awaiting.get(topic)
         if awaited is not None:
@@ -290,15 +452,17 @@ class Controller:
             del self._awaiting[topic]
         now = self._clock.now_ms()
         policy = self.resolved_policy(state)
+        samples = state.loads.samples()
         if isinstance(policy, PolicySettings):
-            await self._track_cold(state, policy, now)
-        layout = state.layout  # read after the awaits above: decide on the newest
-        if layout is None:
-            return None
+            self._track_cold(state, samples, policy, now)
+        table = state.loads
         loads = {
-            sid: dataclasses.replace(sample, cold_since_ms=state.cold_since.get(sid))
-            for sid, sample in state.loads.items()
+            sid: dataclasses.replace(sample, cold_since_ms=since)
+            if (since := state.cold_since.get(sid, table.cold(sid))) is not None
+            else sample
+            for sid, sample in samples.items()
         }
+        layout = state.layout
         cooldown = state.effective_cooldown()
         decision = decide(
             layout,
@@ -309,103 +473,158 @@ class Controller:
             cooldown.last_split_ms,
             cooldown.last_merge_ms,
         )
-        self._metrics.decisions.labels(action=decision.action, reason=decision.reason).inc()
+        self._count(topic, decision)
         fields = {
             "topic": str(topic),
             "action": decision.action,
             "reason": decision.reason,
             "detail": decision.detail,
             "epoch": layout.epoch,
-            "token": self.token,
+            "token": leadership.token,
         }
         if isinstance(decision, NoAction):
-            if decision.reason == "balanced":
-                log.debug("decision", **fields)
-            else:
-                log.info("decision", **fields)
+            (log.debug if decision.reason == "balanced" else log.info)("decision", **fields)
+            if isinstance(policy, PolicySettings):
+                self._hold_back(topic, decision, cooldown, policy, now)
             return decision
         log.info("decision", **fields)
-        outcome = await self._act(topic, state, layout.epoch, decision, policy, now)
-        self._record(topic, decision, outcome, now, state)
+        outcome = await self._act(topic, state, leadership, layout.epoch, decision, policy, now)
+        self._record(topic, decision, outcome, now, state, leadership)
         return decision
 
-    async def _track_cold(self, state: TopicState, policy: PolicySettings, now: int) -> None:
-        """Persist cold/warm transitions of active segments (DESIGN §8.1)."""
-        assert state.layout is not None
-        for seg in state.layout.active_segments():
+    def _count(self, topic: TopicName, decision: Decision) -> None:
+        """A decision is counted once; deciding the same failed operation again is a retry."""
+        attempt = self._attempts.get(topic)
+        if attempt is not None and attempt.decision == decision_to_json(decision):
+            self._metrics.topic_retries.inc()
+            return
+        self._metrics.decisions.labels(action=decision.action, reason=decision.reason).inc()
+
+    def _hold_back(
+        self,
+        topic: TopicName,
+        decision: NoAction,
+        cooldown: Cooldown,
+        policy: PolicySettings,
+        now: int,
+    ) -> None:
+        """A decision held back by a cooldown comes back exactly once when it ends."""
+        kind = _HELD_BACK.get(decision.reason)
+        if kind is None:
+            return
+        last, length = (
+            (cooldown.last_split_ms, policy.split_cooldown_seconds)
+            if kind == "split"
+            else (cooldown.last_merge_ms, policy.merge_cooldown_seconds)
+        )
+        remaining = (last + length * 1000.0 - now) / 1000.0
+        if remaining > 0:
+            self._follow_up(topic, remaining + 0.001, decision.reason)
+
+    def _track_cold(
+        self,
+        state: TopicState,
+        samples: Mapping[int, LoadSample],
+        policy: PolicySettings,
+        now: int,
+    ) -> None:
+        """Keep each active segment's cold-since (DESIGN §8.1), persisting it only when
+        a new leader could not derive it.
+
+        A new leader derives cold-since from the record's ``changedAtMs`` (or a
+        merge child's parents). Only when a cold segment's record is rewritten
+        while it stays cold (noisy low traffic), or a merge child inherits its
+        parents' window, does the value need etcd; writing it at every
+        transition would cost 1.6M writes at start on 100,000 cold topics.
+        """
+        layout = state.layout
+        assert layout is not None
+        table = state.loads
+        for seg in layout.active_segments():
             sid = seg.segment_id
-            sample = state.loads.get(sid)
+            sample = samples.get(sid)
             if sample is None or is_stale(sample, policy, now):
                 continue
-            cold = below(sample.rates, policy.merge_thresholds)
-            if cold and sid not in state.cold_since:
-                inherited = inherited_cold_since(state.layout, sid, state.cold_since)
-                since = inherited if inherited is not None else min(sample.changed_at_ms, now)
-                state.cold_since[sid] = since
-                await self._store.put(self._keys.cold_since(state.name, sid), str(since).encode())
-                log.info("segment.cold", topic=str(state.name), segment=sid, since_ms=since)
-            elif not cold and sid in state.cold_since:
-                del state.cold_since[sid]
-                await self._store.delete(self._keys.cold_since(state.name, sid))
-                log.info("segment.warm", topic=str(state.name), segment=sid)
+            persisted = state.cold_since.get(sid)
+            held = table.cold(sid)
+            if below(sample.rates, policy.merge_thresholds):
+                since = held if held is not None else persisted
+                if since is None:
+                    inherited = inherited_cold_since(layout, sid, _ColdOf(state))
+                    since = inherited if inherited is not None else min(sample.changed_at_ms, now)
+                    log.info("segment.cold", topic=str(state.name), segment=sid, since_ms=since)
+                table.set_cold(sid, since)
+                if persisted is None and since < min(sample.changed_at_ms, now):
+                    self._write(self._keys.cold_since(state.name, sid), str(since).encode(), state)
+                    state.cold_since[sid] = since
+            else:
+                if held is not None or persisted is not None:
+                    log.info("segment.warm", topic=str(state.name), segment=sid)
+                table.set_cold(sid, None)
+                if persisted is not None:
+                    del state.cold_since[sid]
+                    self._write(self._keys.cold_since(state.name, sid), None, state)
+
+    # -- acting ---------------------------------------------------------------------------
 
     async def _act(
         self,
         topic: TopicName,
         state: TopicState,
+        leadership: Leadership,
         decided_epoch: int,
         decision: Split | Merge,
         policy: PolicySettings | PolicyInvalid,
         now: int,
     ) -> str:
         op = decision.action
-        if self._leadership.lost.is_set():
+        if not leadership.is_leader():
             return "not-leader"
         try:
             if isinstance(decision, Split):
                 await self._broker.split(
-                    topic, decision.segment_id, decision.boundaries, fencing_token=self.token
+                    topic,
+                    decision.segment_id,
+                    decision.boundaries,
+                    fencing_token=leadership.token,
+                    fencing_key=leadership.key,
                 )
             else:
-                await self._broker.merge(topic, decision.a, decision.b, fencing_token=self.token)
+                await self._broker.merge(
+                    topic,
+                    decision.a,
+                    decision.b,
+                    fencing_token=leadership.token,
+                    fencing_key=leadership.key,
+                )
         except Fenced as exc:
             self._metrics.operations.labels(op=op, outcome=exc.outcome).inc()
             log.error(
                 "operation.fenced",
                 topic=str(topic),
                 op=op,
-                token=self.token,
+                token=leadership.token,
                 error=str(exc),
                 action="stepping down: a newer leader exists",
             )
-            self._leadership.lost.set()
+            leadership.lost.set()
             return exc.outcome
         except BrokerError as exc:
-            outcome = exc.outcome
-            self._metrics.operations.labels(op=op, outcome=outcome).inc()
-            failures = self._failures.get(topic, 0) + 1
-            self._failures[topic] = failures
-            retry_in = backoff.TOPIC_RETRY.capped_at(
-                self._config().autoscale.interval_seconds
-            ).delay(failures - 1)
-            log.warning(
-                "operation.failed",
-                topic=str(topic),
-                op=op,
-                outcome=outcome,
-                error=str(exc),
-                retry_in_s=retry_in,
-            )
-            self._after(retry_in, topic, "retry")
-            return outcome
-        self._failures.pop(topic, None)
+            return self._failed(topic, decision, op, exc)
+        self._attempts.pop(topic, None)
         self._metrics.operations.labels(op=op, outcome="ok").inc()
         old = state.effective_cooldown()
         stamp = (
             Cooldown(now, old.last_merge_ms) if op == "split" else Cooldown(old.last_split_ms, now)
         )
         state.cooldown = stamp
-        await self._store.put(self._keys.cooldown(topic), json.dumps(stamp.to_json()).encode())
+        try:
+            await self._fenced_write(
+                leadership, [Put(self._keys.cooldown(topic), orjson.dumps(stamp.to_json()))]
+            )
+        except StoreError as exc:
+            # The broker acted; the stamp also dates the children in the layout.
+            log.warning("cooldown.persist_failed", topic=str(topic), error=str(exc))
         current = state.layout
         if current is not None and current.epoch <= decided_epoch:
             # The broker's new layout has not reached us yet: do not decide on the old one.
@@ -414,12 +633,46 @@ class Controller:
                 self._clock.monotonic() + LAYOUT_CATCH_UP_SECONDS,
             )
         if isinstance(decision, Split) and isinstance(policy, PolicySettings):
-            self._after(policy.split_cooldown_seconds, topic, "split-cooldown-expired")
-        log.info("operation.done", topic=str(topic), op=op, token=self.token)
+            self._follow_up(topic, policy.split_cooldown_seconds, "split-cooldown-expired")
+        log.info("operation.done", topic=str(topic), op=op, token=leadership.token)
         return "ok"
 
+    def _failed(self, topic: TopicName, decision: Decision, op: str, exc: BrokerError) -> str:
+        outcome = exc.outcome
+        self._metrics.operations.labels(op=op, outcome=outcome).inc()
+        body = decision_to_json(decision)
+        attempt = self._attempts.get(topic)
+        failures = attempt.failures + 1 if attempt is not None and attempt.decision == body else 1
+        self._attempts[topic] = _Attempt(body, failures)
+        if isinstance(exc, Unauthorized):
+            self._operator_error("broker-auth", str(exc))
+        schedule = backoff.TOPIC_RETRY.capped_at(self._config().autoscale.interval_seconds)
+        retry_in = schedule.delay(failures - 1)
+        log.warning(
+            "operation.failed",
+            topic=str(topic),
+            op=op,
+            outcome=outcome,
+            error=str(exc),
+            failures=failures,
+            retry_in_s=round(retry_in, 3),
+        )
+        self._after(retry_in, topic, "retry")
+        return outcome
+
+    def _operator_error(self, kind: str, detail: str) -> None:
+        self._metrics.operator_errors.labels(kind=kind).inc()
+        if self._on_operator_error is not None:
+            self._on_operator_error(kind, detail)
+
     def _record(
-        self, topic: TopicName, decision: Decision, outcome: str, now: int, state: TopicState
+        self,
+        topic: TopicName,
+        decision: Decision,
+        outcome: str,
+        now: int,
+        state: TopicState,
+        leadership: Leadership,
     ) -> None:
         body = decision_to_json(decision)
         self.history.append(DecisionRecord(now, str(topic), body, outcome))
@@ -437,37 +690,98 @@ class Controller:
                         str(sid): dataclasses.asdict(s.rates) for sid, s in state.loads.items()
                     },
                 },
-                "fencing_token": self.token,
+                "fencing_token": leadership.token,
                 "outcome": outcome,
                 "replica": self._replica,
             }
         )
 
-    # -- GC ------------------------------------------------------------------------------
+    # -- our own state, written behind and fenced ------------------------------------------
+
+    def _write(self, key: str, value: bytes | None, state: TopicState) -> None:
+        """Queue a put (or delete, for None) of our own state, fenced on the topic's scope."""
+        self._writes[key] = (value, self.scope_of(state.name))
+        if len(self._writes) >= WRITE_BATCH:
+            self._write_wake.set()
+
+    async def _writer(self) -> None:
+        while True:
+            with anyio.move_on_after(WRITE_DELAY):
+                await self._write_wake.wait()
+            self._write_wake = anyio.Event()
+            await self.flush_writes()
+
+    async def flush_writes(self) -> None:
+        """Write every queued value, in fenced transactions per scope; drop what we no
+        longer lead (the new leader derives it again)."""
+        if not self._writes:
+            return
+        pending, self._writes = self._writes, {}
+        by_scope: dict[Scope, list[Put | Delete]] = {}
+        for key, (value, scope) in pending.items():
+            by_scope.setdefault(scope, []).append(
+                Put(key, value) if value is not None else Delete(key)
+            )
+        for scope, ops in by_scope.items():
+            leadership = self._scopes.get(scope)
+            if leadership is None or not leadership.is_leader():
+                continue
+            for start in range(0, len(ops), WRITE_BATCH):
+                try:
+                    await self._fenced_write(leadership, ops[start : start + WRITE_BATCH])
+                except StoreError as exc:
+                    log.warning("state.write_failed", ops=len(ops), error=str(exc))
+
+    async def _fenced_write(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
+        """Apply ``ops`` only while ``leadership`` holds (idempotent puts/deletes)."""
+        result = await self._store.txn([leadership.fenced()], ops)
+        if not result.succeeded:
+            log.warning("state.write_fenced", token=leadership.token, key=leadership.key)
+        return result.succeeded
+
+    # -- GC -------------------------------------------------------------------------------
 
     async def gc_round(self) -> None:
-        """Finish deletes left behind, then prune every topic's drained sealed segments."""
-        if self._leadership.lost.is_set():
+        """Finish deletes left behind, then prune every led topic's drained sealed segments."""
+        if not self._config().gc_enabled or not self._scopes:
             return
-        kvs, _ = await self._store.get_prefix(self._keys.pending_deletes_prefix)
+        # The markers are GC's durable to-do list: read them afresh (not from the watch,
+        # which may lag), each through the same parsing boundary as every etcd value.
+        try:
+            kvs, _ = await self._store.get_prefix(self._keys.pending_deletes_prefix)
+        except StoreError as exc:
+            log.warning("gc.markers.unreadable", error=str(exc))
+            return
         self._metrics.gc_pending_deletes.set(len(kvs))
         for kv in kvs:
             try:
-                marker = json.loads(kv.value)
-                topic = TopicName.parse(marker["topic"])
+                marker = parse_pending_delete(parse_json(kv.value))
+            except Exception as exc:  # the parsing boundary: one bad marker stops nothing
+                self.note(Rejected(kv.key, "pending_delete", str(exc)[:300]))
+                continue
+            leadership = self.leadership_for(marker.topic)
+            if leadership is not None:
                 await self._finish_delete(
-                    topic, str(marker["descriptor"]), int(marker["segmentId"])
+                    leadership, marker.topic, marker.descriptor, marker.segment_id
                 )
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("gc.marker.malformed", key=kv.key, error=str(exc))
-        for topic in sorted(self.view.topics):
-            if self._leadership.lost.is_set():
-                return
+        for i, topic in enumerate(list(self.view.topics)):
+            if i % SLICE == SLICE - 1:
+                await anyio.lowlevel.checkpoint()
+            leadership = self.leadership_for(topic)
             state = self.view.topics.get(topic)
-            if state is not None and state.layout is not None:
-                await self._gc_topic(state)
+            if leadership is None or state is None or state.layout is None:
+                continue
+            try:
+                await self._gc_topic(state, leadership)
+            except (StoreError, ValueError, TypeError) as exc:
+                log.warning("gc.topic.failed", topic=str(topic), error=str(exc))
 
-    async def _gc_topic(self, state: TopicState) -> None:
+    async def _gc_ticker(self) -> None:
+        while True:
+            await self._clock.sleep(self._config().gc.interval_seconds)
+            await self.gc_round()
+
+    async def _gc_topic(self, state: TopicState, leadership: Leadership) -> None:
         layout = state.layout
         assert layout is not None
         topic, now = state.name, self._clock.now_ms()
@@ -481,6 +795,8 @@ class Controller:
                 try:
                     backlogs[sub] = await self._broker.backlog(topic, seg.descriptor, sub)
                 except BrokerError as exc:
+                    if isinstance(exc, Unauthorized):
+                        self._operator_error("broker-auth", str(exc))
                     log.warning(
                         "gc.backlog.failed",
                         topic=str(topic),
@@ -488,7 +804,7 @@ class Controller:
                         subscription=sub,
                         error=str(exc),
                     )
-                    backlogs[sub] = None
+                    backlogs[sub] = None  # unknown is never drained
             verdict = gc.prunable(seg, now, retention, backlogs)
             verdicts[seg.segment_id] = verdict
             log.debug(
@@ -500,29 +816,29 @@ class Controller:
                 detail=verdict.detail,
             )
         chosen = gc.select(layout, verdicts)
-        if not chosen or self._leadership.lost.is_set():
+        if not chosen or not leadership.is_leader():
             return
         pruned = prune(layout, chosen)
         markers = [
             Put(
                 self._keys.pending_delete(topic, layout.segments[sid].descriptor),
-                json.dumps(
+                orjson.dumps(
                     {
                         "topic": str(topic),
                         "descriptor": layout.segments[sid].descriptor,
                         "segmentId": sid,
                         "prunedAtMs": now,
                     }
-                ).encode(),
+                ),
             )
             for sid in chosen
         ]
         result = await self._store.txn(
             [
                 Compare.mod_revision(self._keys.layout(topic), state.layout_revision),
-                Compare.create_revision(self._keys.leader, self.token),
+                leadership.fenced(),
             ],
-            [Put(self._keys.layout(topic), json.dumps(layout_to_json(pruned)).encode()), *markers],
+            [Put(self._keys.layout(topic), orjson.dumps(layout_to_json(pruned))), *markers],
         )
         if not result.succeeded:
             self._metrics.operations.labels(op="prune", outcome="conflict").inc()
@@ -530,24 +846,34 @@ class Controller:
                 "gc.prune.refused",
                 topic=str(topic),
                 segments=chosen,
-                token=self.token,
+                token=leadership.token,
                 why="layout changed or this replica was deposed (fencing)",
             )
             return
         self._metrics.operations.labels(op="prune", outcome="ok").inc()
         self._metrics.gc_pruned_segments.inc(len(chosen))
         log.info(
-            "gc.pruned", topic=str(topic), segments=chosen, retention_s=retention, token=self.token
+            "gc.pruned",
+            topic=str(topic),
+            segments=chosen,
+            retention_s=retention,
+            token=leadership.token,
         )
         for sid in chosen:
-            await self._finish_delete(topic, layout.segments[sid].descriptor, sid)
+            await self._finish_delete(leadership, topic, layout.segments[sid].descriptor, sid)
 
-    async def _finish_delete(self, topic: TopicName, descriptor: str, segment_id: int) -> None:
+    async def _finish_delete(
+        self, leadership: Leadership, topic: TopicName, descriptor: str, segment_id: int
+    ) -> None:
         """Delete a pruned segment's data, then its load record, then its marker."""
         try:
-            existed = await self._broker.delete_segment(topic, descriptor, fencing_token=self.token)
+            existed = await self._broker.delete_segment(
+                topic, descriptor, fencing_token=leadership.token, fencing_key=leadership.key
+            )
         except BrokerError as exc:
             self._metrics.operations.labels(op="delete_segment", outcome=exc.outcome).inc()
+            if isinstance(exc, Unauthorized):
+                self._operator_error("broker-auth", str(exc))
             log.warning(
                 "gc.delete.failed",
                 topic=str(topic),
@@ -557,17 +883,57 @@ class Controller:
             )
             return
         self._metrics.operations.labels(op="delete_segment", outcome="ok").inc()
-        await self._store.delete(self._keys.load(topic, segment_id))
-        await self._store.delete(self._keys.cold_since(topic, segment_id))
-        await self._store.delete(self._keys.pending_delete(topic, descriptor))
+        await self._fenced_write(
+            leadership,
+            [
+                Delete(self._keys.load(topic, segment_id)),
+                Delete(self._keys.cold_since(topic, segment_id)),
+                Delete(self._keys.pending_delete(topic, descriptor)),
+            ],
+        )
         self._metrics.gc_deleted_segments.inc()
         log.info("gc.deleted", topic=str(topic), descriptor=descriptor, existed=existed)
 
-    # -- status --------------------------------------------------------------------------
+    # -- status ---------------------------------------------------------------------------
 
     def status(self) -> Mapping[str, Any]:
         return {
             "topics": len(self.view.topics),
+            "topics_led": sum(1 for _ in self._led_topics()) if len(self._scopes) else 0,
             "in_flight": sorted(str(t) for t in self._in_flight),
+            "queued": len(self._queued),
             "last_decisions": [dataclasses.asdict(r) for r in list(self.history)[-20:]],
         }
+
+    def _led_topics(self) -> Iterable[TopicName]:
+        if None in self._scopes:
+            return iter(self.view.topics)
+        return (t for t in self.view.topics if self.scope_of(t) in self._scopes)
+
+
+def _over(rates: Any, limits: Any) -> bool:
+    return bool(
+        rates.msg_rate_in > limits.msg_rate_in
+        or rates.byte_rate_in > limits.byte_rate_in
+        or rates.msg_rate_out > limits.msg_rate_out
+        or rates.byte_rate_out > limits.byte_rate_out
+    )
+
+
+class _ColdOf(Mapping[int, int]):
+    """A topic's cold-since by segment: persisted, else held in memory (for inheritance)."""
+
+    def __init__(self, state: TopicState) -> None:
+        self._state = state
+
+    def __getitem__(self, segment_id: int) -> int:
+        value = self._state.cold_since.get(segment_id, self._state.loads.cold(segment_id))
+        if value is None:
+            raise KeyError(segment_id)
+        return value
+
+    def __iter__(self) -> Iterator[int]:
+        return iter({*self._state.cold_since, *self._state.loads})
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -24,6 +24,8 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from controllerd.core.view import KEY_KINDS
+
 #: A topic evaluation is pure CPU work on one layout: sub-millisecond to a few ms.
 EVALUATION_BUCKETS: Final = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 #: Admin calls go to a broker that rewrites metadata: milliseconds to the 10 s timeout.
@@ -31,6 +33,7 @@ ADMIN_REQUEST_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 AUDIT_OUTCOMES: Final = ("sent", "dropped", "error")
 RELOAD_OUTCOMES: Final = ("ok", "invalid")
+OPERATOR_ERROR_KINDS: Final = ("broker-auth", "config-reload", "etcd-auth")
 
 
 class Metrics:
@@ -111,6 +114,43 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.metadata_rejected: Final = Counter(
+            "controllerd_metadata_rejected_total",
+            "Values read from etcd that could not be used, by key kind (layout, load, ...): "
+            "skipped and logged, never fatal.",
+            ["kind"],
+            registry=r,
+        )
+        self.topic_retries: Final = Counter(
+            "controllerd_topic_retries_total",
+            "Evaluations that decided again an operation that had failed (a retry, not a "
+            "new decision).",
+            registry=r,
+        )
+        self.operator_errors: Final = Counter(
+            "controllerd_operator_errors_total",
+            "Problems only an operator can fix, by kind (broker-auth: the broker refuses our "
+            "token; config-reload: a SIGHUP found an invalid config).",
+            ["kind"],
+            registry=r,
+        )
+        self.etcd_up: Final = Gauge(
+            "controllerd_etcd_up", "1 while etcd answered our last probe, else 0.", registry=r
+        )
+        self.broker_up: Final = Gauge(
+            "controllerd_broker_up",
+            "1 while the broker answered our last admin request (any status below 500).",
+            registry=r,
+        )
+        self.loop_stall: Final = Histogram(
+            "controllerd_event_loop_stall_seconds",
+            "How late the event loop woke a 50 ms timer: the longest any task held the loop.",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
+            registry=r,
+        )
+        self.ready_gauge: Final = Gauge(
+            "controllerd_ready", "1 while /readyz answers 200, else 0.", registry=r
+        )
         self.watch_restarts: Final = Counter(
             "controllerd_watch_restarts_total",
             "Times the etcd watch was re-established after an error.",
@@ -149,6 +189,10 @@ class Metrics:
             registry=r,
         )
 
+        for kind in KEY_KINDS:
+            self.metadata_rejected.labels(kind=kind)
+        for kind in OPERATOR_ERROR_KINDS:
+            self.operator_errors.labels(kind=kind)
         for outcome in AUDIT_OUTCOMES:
             self.audit_messages.labels(outcome=outcome)
         for outcome in RELOAD_OUTCOMES:

@@ -3,8 +3,9 @@
 - ``/healthz`` (liveness) answers 200 whenever the event loop runs: a request
   served proves it. It checks nothing else, so a broken etcd never makes a
   supervisor restart a healthy process.
-- ``/readyz`` (readiness) is 200 while ``ready()`` (config loaded, connected to
-  etcd; leader and standby are both ready), else 503.
+- ``/readyz`` (readiness) is 200 while ``ready()``: etcd answered our last
+  probe, the view is loaded, and the replica campaigns or leads (a warm standby
+  is ready). Otherwise 503 with ``{"reason": ...}`` saying what it waits for.
 - ``/status`` is the controller's JSON view (leader, fencing token, topics, last
   decisions); ``/metrics`` the Prometheus text format.
 
@@ -51,6 +52,7 @@ def make_ops_app(
     metrics: Metrics,
     status: Callable[[], Mapping[str, Any]],
     ready: Callable[[], bool],
+    not_ready_reason: Callable[[], str | None] | None = None,
 ) -> Starlette:
     """The ASGI app. ``status`` and ``ready`` are called per request, on the loop:
     they must be cheap and non-blocking (read a snapshot, do no I/O)."""
@@ -65,7 +67,8 @@ def make_ops_app(
     async def readyz(request: Request) -> Response:
         if ready():
             return _JSON({"status": "ready"})
-        return _JSON({"status": "not ready"}, status_code=503)
+        reason = not_ready_reason() if not_ready_reason is not None else None
+        return _JSON({"status": "not ready", "reason": reason}, status_code=503)
 
     async def status_endpoint(request: Request) -> Response:
         return _JSON(dict(status()))

@@ -1,31 +1,39 @@
-"""The ``controllerd run`` process: one task group, signals, election, shutdown.
+"""The ``controllerd run`` process: one task group, signals, the view, election, shutdown.
 
-Workers (all named, all owned by one task group; if one dies the process exits
-non-zero and the supervisor restarts it):
+Workers (all named, all owned by one task group):
 
 * ``signals``: SIGHUP reloads the config, SIGTERM/SIGINT start the shutdown.
   The handler only records the signal; the work happens here, on the loop.
 * ``ops``: /metrics /healthz /readyz /status.
-* ``watchdog``: sd_notify WATCHDOG=1 when systemd asked for it.
-* ``leader-watch``: who leads, for /status on standbys.
-* ``elector``: campaign; while leading, run a :class:`Controller` in a scope
-  cancelled the moment leadership is lost; then campaign again.
+* ``health``: probes etcd every second; readiness and ``STATUS=`` follow it.
+* ``loop-monitor``: measures how long the event loop stalls.
+* ``follower``: loads and follows etcd into the view, leader or not (hot standby).
+* ``controller``: acts on the topics of the scopes we lead.
+* ``elector``: once the view is loaded, campaigns; grants the controller the
+  scope while the lease holds and revokes it the moment it does not.
 
-Shutdown: stop acting (cancel the leader scope), resign the lease (shielded,
-bounded), close clients, exit — all within :data:`SHUTDOWN_DEADLINE`, shorter
-than systemd's ``TimeoutStopSec`` and Kubernetes' grace period.
+Exit statuses (``controllerd.errors``): 0 after SIGTERM/SIGINT; 2 when the
+configuration cannot work (e.g. the ops port is taken); 3 when etcd refuses our
+credentials; 70 when a worker ends or fails unexpectedly (a bug). An etcd or
+broker outage of any length never ends the process. Every exit is logged.
+
+Shutdown: stop acting (revoke, cancel), resign the lease (shielded, bounded),
+close clients, exit; all within :data:`SHUTDOWN_DEADLINE`, shorter than
+systemd's ``TimeoutStopSec`` and the Kubernetes grace period.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import socket
-from collections.abc import Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -36,26 +44,39 @@ from controllerd.adapters import backoff, sdnotify
 from controllerd.adapters.audit import AuditSink, open_audit
 from controllerd.adapters.broker import BrokerClient, as_profile
 from controllerd.adapters.election import current_leader, lead
-from controllerd.adapters.store import Store, StoreError, open_store
+from controllerd.adapters.store import Store, StoreError, StoreUnavailable, open_store
 from controllerd.core.view import Keys, MetadataView
 from controllerd.daemon.clock import Clock, SystemClock
 from controllerd.daemon.controller import Controller, DecisionRecord
+from controllerd.daemon.follower import Follower
 from controllerd.daemon.logs import configure_logging
 from controllerd.daemon.metrics import Metrics
 from controllerd.daemon.ops import make_ops_app, serve_ops
+from controllerd.errors import EXIT_OK, EXIT_SOFTWARE, EXIT_UNAVAILABLE, EXIT_USAGE, OperatorError
 
 log = structlog.get_logger("controllerd.daemon.runtime")
 
 #: Seconds from SIGTERM to exit, at most. systemd's TimeoutStopSec (20 s) and the
 #: Kubernetes grace period (30 s) are longer.
-SHUTDOWN_DEADLINE = 10.0
+SHUTDOWN_DEADLINE: Final = 10.0
+#: Seconds between etcd probes; readiness follows them.
+PROBE_INTERVAL: Final = 1.0
+#: Seconds between the loop monitor's wake-ups; a later wake-up is a stall.
+LOOP_TICK: Final = 0.05
+#: Seconds between warnings while the metadata prefix holds no topic.
+EMPTY_PREFIX_WARNING: Final = 600.0
 
 
-def _read_secret(path: str | None) -> str | None:
+def _read_secret(path: str | None, setting: str) -> str | None:
     """Secrets come from files (systemd EnvironmentFile/credentials, k8s Secrets)."""
     if path is None:
         return None
-    return Path(path).read_text(encoding="utf-8").strip()
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise OperatorError(
+            f"cannot read {setting} {path}: {exc.strerror or exc}", setting=setting
+        ) from None
 
 
 def open_configured_store(etcd: config_mod.EtcdSettings) -> AbstractAsyncContextManager[Store]:
@@ -63,7 +84,7 @@ def open_configured_store(etcd: config_mod.EtcdSettings) -> AbstractAsyncContext
     return open_store(
         etcd.endpoints,
         username=etcd.username,
-        password=_read_secret(etcd.password_file),
+        password=_read_secret(etcd.password_file, "etcd.password_file"),
         ca_file=etcd.ca_file,
         cert_file=etcd.cert_file,
         key_file=etcd.key_file,
@@ -89,15 +110,20 @@ class Daemon:
         self.clock: Clock = clock or SystemClock()
         self.metrics = metrics or Metrics()
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}"
-        self.keys = Keys(self.config.etcd.metadata_prefix, self.config.controller_root)
+        self.keys = Keys(self.config.metadata_prefix, self.config.controller_root)
         self.history: collections.deque[DecisionRecord] = collections.deque(maxlen=100)
         self.shutdown = anyio.Event()
         self.ops_port: int | None = None
-        self._ready = False
+        self.exit_code = EXIT_OK
         self._controller: Controller | None = None
-        self._token: int | None = None
+        self._follower: Follower | None = None
         self._leader: tuple[Mapping[str, Any], int] | None = None
         self._broker: BrokerClient | None = None
+        self._etcd_error: str | None = "not contacted yet"
+        self._campaigning = False
+        self._broker_auth_error: str | None = None
+        self._reported: tuple[bool, str] | None = None
+        self._max_stall = 0.0
 
     # -- config --------------------------------------------------------------------------
 
@@ -106,25 +132,13 @@ class Daemon:
         sdnotify.reloading()
         try:
             new = config_mod.load_file(self.config_path, self.env)
-        except config_mod.ConfigError as exc:
+            token = _read_secret(new.broker.token_file, "broker.token_file")
+        except (config_mod.ConfigError, OperatorError) as exc:
+            errors = exc.errors if isinstance(exc, config_mod.ConfigError) else [str(exc)]
             self.metrics.config_reloads.labels(outcome="invalid").inc()
+            self.metrics.operator_errors.labels(kind="config-reload").inc()
             log.error(
-                "config.reload.rejected",
-                path=self.config_path,
-                errors=exc.errors,
-                kept="previous config",
-            )
-            sdnotify.ready()
-            return False
-        try:
-            token = _read_secret(new.broker.token_file)
-        except OSError as exc:
-            self.metrics.config_reloads.labels(outcome="invalid").inc()
-            log.error(
-                "config.reload.rejected",
-                path=self.config_path,
-                errors=[f"broker.token_file: {exc}"],
-                kept="previous config",
+                "config.reload.rejected", path=self.config_path, errors=errors, kept="previous"
             )
             sdnotify.ready()
             return False
@@ -132,6 +146,7 @@ class Daemon:
         self.config = new
         if self._broker is not None:
             self._broker.set_token(token)
+            self._broker_auth_error = None  # a new token deserves a new try
         configure_logging(new.logging.level, new.logging.format)
         self.metrics.config_reloads.labels(outcome="ok").inc()
         log.info("config.reloaded", path=self.config_path, restart_required=restart or None)
@@ -147,36 +162,100 @@ class Daemon:
     def current_config(self) -> config_mod.Config:
         return self.config
 
-    # -- status --------------------------------------------------------------------------
+    # -- readiness and status -----------------------------------------------------------------
+
+    def not_ready_reason(self) -> str | None:
+        """Why /readyz answers 503, or None when ready.
+
+        Ready means: etcd answered our last probe, the view is loaded, and this
+        replica is campaigning (a warm standby) or leading; a leader whose
+        broker refuses its token is not ready either.
+        """
+        if self.shutdown.is_set():
+            return "stopping"
+        if self._etcd_error is not None:
+            return f"etcd unreachable: {self._etcd_error}"
+        follower = self._follower
+        if follower is None or not follower.synced.is_set():
+            loaded = follower.stats.keys_loaded if follower is not None else 0
+            return f"loading metadata from etcd ({loaded} keys so far)"
+        if not self._campaigning:
+            return "not campaigning yet"
+        if self._broker_auth_error is not None and self._leads():
+            return f"the broker refuses our token: {self._broker_auth_error}"
+        return None
 
     def ready(self) -> bool:
-        return self._ready
+        return self.not_ready_reason() is None
+
+    def _leads(self) -> bool:
+        controller = self._controller
+        return controller is not None and any(
+            leadership.is_leader() for leadership in controller.scopes.values()
+        )
+
+    def _leadership_token(self) -> int | None:
+        controller = self._controller
+        if controller is None:
+            return None
+        led = [scope for scope in controller.scopes.values() if scope.is_leader()]
+        return led[0].token if led else None
 
     def status(self) -> Mapping[str, Any]:
-        controller = self._controller
-        leader = self._leader
+        controller, follower, leader = self._controller, self._follower, self._leader
         body: dict[str, Any] = {
             "replica": self.replica,
             "cluster": self.config.cluster.name,
-            "leader": controller is not None,
-            "fencing_token": self._token,
+            "leader": self._leads(),
+            "fencing_token": self._leadership_token(),
             "current_leader": dict(leader[0]) if leader else None,
             "current_token": leader[1] if leader else None,
+            "ready": self.ready(),
+            "not_ready_reason": self.not_ready_reason(),
+            "max_loop_stall_s": round(self._max_stall, 4),
         }
+        if follower is not None:
+            stats = follower.stats
+            body["metadata"] = {
+                "synced": follower.synced.is_set(),
+                "keys_loaded": stats.keys_loaded,
+                "load_seconds": stats.load_seconds,
+                "events": stats.events,
+                "revision": stats.revision,
+            }
         if controller is not None:
             body.update(controller.status())
-        else:
-            body["last_decisions"] = [
-                {"ts_ms": r.ts_ms, "topic": r.topic, "decision": r.decision, "outcome": r.outcome}
-                for r in list(self.history)[-20:]
-            ]
         return body
+
+    def _report(self) -> None:
+        """Readiness to systemd and the metrics, whenever it changes."""
+        reason = self.not_ready_reason()
+        state = (reason is None, reason or self._role())
+        if state == self._reported:
+            return
+        first_ready = reason is None and (self._reported is None or not self._reported[0])
+        self._reported = state
+        self.metrics.ready_gauge.set(1 if reason is None else 0)
+        sdnotify.status(reason or self._role())
+        if first_ready:
+            sdnotify.ready()
+        log.info("daemon.readiness", ready=reason is None, reason=reason or self._role())
+
+    def _role(self) -> str:
+        token = self._leadership_token()
+        topics = len(self._controller.view.topics) if self._controller is not None else 0
+        if token is not None:
+            return f"leading (token {token}, {topics} topics)"
+        leader = self._leader
+        who = leader[0].get("replica") if leader else None
+        return f"standing by (leader: {who or 'none'}, {topics} topics in view)"
 
     # -- run -----------------------------------------------------------------------------
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
+    ) -> int:
+        """Run until SIGTERM/SIGINT (0) or a fatal error (non-zero); the exit status."""
         cfg = self.config
         configure_logging(cfg.logging.level, cfg.logging.format)
         log.info(
@@ -184,7 +263,150 @@ class Daemon:
             replica=self.replica,
             cluster=cfg.cluster.name,
             config=self.config_path,
+            mode=cfg.election.mode,
+            profile=cfg.broker.profile,
+            metadata_prefix=cfg.metadata_prefix,
         )
+        self._log_ignored_env()
+        sdnotify.status("starting")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._signals, name="signals")
+            app = make_ops_app(self.metrics, self.status, self.ready, self.not_ready_reason)
+            try:
+                self.ops_port = await tg.start(
+                    serve_ops, app, cfg.http.host, cfg.http.port, name="ops"
+                )
+            except OSError as exc:
+                raise OperatorError(
+                    f"cannot listen on {cfg.http.listen}: {exc.strerror or exc}",
+                    setting="http.listen",
+                ) from None
+            broker = BrokerClient(
+                cfg.broker.admin_url,
+                profile=as_profile(cfg.broker.profile),
+                token=_read_secret(cfg.broker.token_file, "broker.token_file"),
+                ca_file=cfg.broker.ca_file,
+                cert_file=cfg.broker.cert_file,
+                key_file=cfg.broker.key_file,
+                timeout=cfg.broker.timeout_seconds,
+                max_retries=cfg.broker.max_retries,
+                on_request=self._observe_request,
+            )
+            self._broker = broker
+            async with (
+                self._open_store() as store,
+                broker,
+                open_audit(cfg.audit, self.metrics.audit_messages) as audit,
+            ):
+                task_status.started()
+                await self._serve(store, broker, audit, tg)
+            tg.cancel_scope.cancel()
+        log.info("daemon.stopped", replica=self.replica, exit_code=self.exit_code)
+        return self.exit_code
+
+    @contextlib.asynccontextmanager
+    async def _open_store(self) -> AsyncIterator[Store]:
+        """The etcd client; waits out an etcd that is down (never exits for it), but a
+        refusal of our credentials is an operator error (exit 3)."""
+        failures = 0
+        while True:
+            try:
+                async with open_configured_store(self.config.etcd) as store:
+                    yield store
+                    return
+            except StoreUnavailable as exc:
+                self._etcd_error = str(exc)
+                self._report()
+                delay = backoff.ELECTION.delay(failures)
+                failures += 1
+                log.warning("etcd.unavailable", error=str(exc), retry_in_s=round(delay, 3))
+                await anyio.sleep(delay)
+            except StoreError as exc:
+                raise OperatorError(
+                    f"etcd refused us: {exc}",
+                    exit_code=EXIT_UNAVAILABLE,
+                    setting="etcd.username/etcd.password_file",
+                ) from None
+
+    async def _serve(
+        self, store: Store, broker: BrokerClient, audit: AuditSink, outer: anyio.abc.TaskGroup
+    ) -> None:
+        cfg = self.config
+        view = MetadataView(self.keys)
+        shards = cfg.election.shards if cfg.election.mode == "sharded" else None
+        controller = Controller(
+            config=self.current_config,
+            store=store,
+            broker=broker,
+            view=view,
+            metrics=self.metrics,
+            audit=audit,
+            clock=self.clock,
+            replica=self.replica,
+            history=self.history,
+            shards=shards,
+            on_operator_error=self._operator_error,
+        )
+        follower = Follower(
+            store,
+            view,
+            [self.keys.topics_prefix, self.keys.controller_prefix],
+            controller.note,
+            self.clock,
+        )
+        self._controller, self._follower = controller, follower
+        async with anyio.create_task_group() as workers:
+            # In the outer group: its deadline must outlive the workers it cancels.
+            outer.start_soon(self._shutdown_on_signal, workers.cancel_scope, name="stopper")
+            for name, work in (
+                ("watchdog", self._watchdog),
+                ("health", lambda: self._health(store)),
+                ("loop-monitor", self._loop_monitor),
+                ("leader-watch", lambda: self._leader_watch(store)),
+                ("follower", follower.run),
+                ("controller", controller.run),
+                ("elector", lambda: self._elect(store, controller, follower)),
+                ("empty-prefix", lambda: self._warn_when_empty(view, follower)),
+            ):
+                workers.start_soon(self._guard, name, work, name=name)
+
+    async def _guard(self, name: str, work: Callable[[], Awaitable[None]]) -> None:
+        """Run a worker that must live as long as the process; its end is fatal.
+
+        Returning or raising (other than being cancelled on shutdown) means a bug
+        or a fatal condition: log it, stop everything, and exit non-zero so the
+        supervisor restarts us (issue #10: never exit 0 unless asked to).
+        """
+        try:
+            await work()
+        except OperatorError:
+            raise
+        except Exception:
+            log.exception("daemon.worker_failed", worker=name)
+            self._fail(EXIT_SOFTWARE)
+            return
+        if name not in ("watchdog", "empty-prefix") and not self.shutdown.is_set():
+            log.error("daemon.worker_ended", worker=name, why="a worker must not end; a bug")
+            self._fail(EXIT_SOFTWARE)
+
+    def _fail(self, code: int) -> None:
+        if self.exit_code == EXIT_OK:
+            self.exit_code = code
+        self.shutdown.set()
+
+    def _operator_error(self, kind: str, detail: str) -> None:
+        if kind == "broker-auth":
+            if self._broker_auth_error is None:
+                log.error(
+                    "broker.unauthorized",
+                    error=detail,
+                    fix="give controllerd a token the broker accepts for split, merge and "
+                    "/admin/v2/segments (Pulsar: a superuser token; broker.token_file)",
+                )
+            self._broker_auth_error = detail
+            self._report()
+
+    def _log_ignored_env(self) -> None:
         ignored = sorted(
             name
             for name in self.env
@@ -198,51 +420,21 @@ class Daemon:
                 variables=ignored,
                 why="not CONTROLLERD_<TABLE>__<KEY>, so not a setting override",
             )
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._signals, name="signals")
-            app = make_ops_app(self.metrics, self.status, self.ready)
-            self.ops_port = await tg.start(serve_ops, app, cfg.http.host, cfg.http.port, name="ops")
-            broker = BrokerClient(
-                cfg.broker.admin_url,
-                profile=as_profile(cfg.broker.profile),
-                token=_read_secret(cfg.broker.token_file),
-                ca_file=cfg.broker.ca_file,
-                cert_file=cfg.broker.cert_file,
-                key_file=cfg.broker.key_file,
-                timeout=cfg.broker.timeout_seconds,
-                max_retries=cfg.broker.max_retries,
-                on_request=self._observe_request,
-            )
-            self._broker = broker
-            async with (
-                open_configured_store(cfg.etcd) as store,
-                broker,
-                open_audit(cfg.audit, self.metrics.audit_messages) as audit,
-            ):
-                self._ready = True
-                sdnotify.ready()
-                task_status.started()
-                # Workers that use the clients live in a group that ends before they close.
-                async with anyio.create_task_group() as workers:
-                    workers.start_soon(self._watchdog, name="watchdog")
-                    workers.start_soon(self._leader_watch, store, name="leader-watch")
-                    with anyio.CancelScope() as elector_scope:
-                        tg.start_soon(self._shutdown_on_signal, elector_scope, name="stopper")
-                        await self._elect_and_control(store, broker, audit)
-                    self._ready = False
-                    workers.cancel_scope.cancel()
-            tg.cancel_scope.cancel()
-        log.info("daemon.stopped", replica=self.replica)
 
-    async def _shutdown_on_signal(self, elector: anyio.CancelScope) -> None:
+    async def _shutdown_on_signal(self, workers: anyio.CancelScope) -> None:
         await self.shutdown.wait()
         sdnotify.stopping()
+        self._report()
         log.info("daemon.stopping", replica=self.replica, deadline_s=SHUTDOWN_DEADLINE)
-        elector.cancel()
-        # Normally the task group is cancelled long before this fires.
+        controller = self._controller
+        if controller is not None:
+            for scope in list(controller.scopes):
+                controller.revoke(scope)  # stop acting before anything else
+        workers.cancel()
+        # Normally the whole process has stopped (and cancelled us) long before this.
         await anyio.sleep(SHUTDOWN_DEADLINE)
         log.error("daemon.shutdown_deadline_exceeded", replica=self.replica)
-        os._exit(1)
+        os._exit(EXIT_SOFTWARE)
 
     async def _signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
@@ -261,6 +453,35 @@ class Daemon:
             sdnotify.watchdog()
             await anyio.sleep(interval / 2)
 
+    async def _health(self, store: Store) -> None:
+        """Probe etcd every second: readiness means etcd answered, not that we once connected."""
+        timeout = min(2.0, self.config.etcd.timeout_seconds)
+        while True:
+            try:
+                await store.probe(self.keys.leader, timeout)
+            except StoreUnavailable as exc:
+                self._etcd_error = str(exc)
+            except StoreError as exc:
+                self._etcd_error = str(exc)
+                if "auth" in str(exc).lower() or "permission" in str(exc).lower():
+                    self.metrics.operator_errors.labels(kind="etcd-auth").inc()
+            else:
+                self._etcd_error = None
+            self.metrics.etcd_up.set(0 if self._etcd_error else 1)
+            self._report()
+            await anyio.sleep(PROBE_INTERVAL)
+
+    async def _loop_monitor(self) -> None:
+        """How late the loop wakes us: the longest stall any task could have caused."""
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(LOOP_TICK)
+            stall = time.monotonic() - before - LOOP_TICK
+            self._max_stall = max(self._max_stall, stall)
+            self.metrics.loop_stall.observe(max(0.0, stall))
+            if stall > 0.1:
+                log.warning("loop.stalled", seconds=round(stall, 3))
+
     async def _leader_watch(self, store: Store) -> None:
         """Keep /status's idea of who leads current, from the leader key."""
         while True:
@@ -270,15 +491,36 @@ class Daemon:
                 async for _ in store.watch_key(self.keys.leader, revision + 1):
                     break  # changed: read it again
             except StoreError as exc:
-                log.warning("leader_watch.failed", error=str(exc))
+                log.debug("leader_watch.failed", error=str(exc))
                 await anyio.sleep(1.0)
+
+    async def _warn_when_empty(self, view: MetadataView, follower: Follower) -> None:
+        """Warn loudly while the metadata prefix holds no topic (a wrong prefix says nothing)."""
+        await follower.synced.wait()
+        while True:
+            if not view.topics:
+                log.warning(
+                    "metadata.prefix_empty",
+                    prefix=self.keys.topics_prefix,
+                    hint="no scalable topic under this prefix; Pulsar writes /topics/... at "
+                    'the etcd root (etcd.metadata_prefix = ""), the reference broker under '
+                    '"/pulsar"',
+                )
+            await anyio.sleep(EMPTY_PREFIX_WARNING)
 
     def _observe_request(self, op: str, outcome: str, seconds: float, status: int | None) -> None:
         self.metrics.admin_request_duration.labels(op=op, outcome=outcome).observe(seconds)
+        if status is not None and status < 500 and outcome != "unauthorized":
+            self.metrics.broker_up.set(1)
+        elif outcome == "unavailable":
+            self.metrics.broker_up.set(0)
+        if outcome == "ok" and op in ("split", "merge", "backlog", "delete_segment"):
+            self._broker_auth_error = None
 
-    async def _elect_and_control(
-        self, store: Store, broker: BrokerClient, audit: AuditSink
-    ) -> None:
+    async def _elect(self, store: Store, controller: Controller, follower: Follower) -> None:
+        """Campaign once the view is warm; lead until the lease cannot be vouched for."""
+        await follower.synced.wait()
+        await controller.ready.wait()
         identity = {
             "replica": self.replica,
             "pid": os.getpid(),
@@ -287,64 +529,62 @@ class Daemon:
         }
         failures = 0
         while True:
+            self._campaigning = True
+            self._report()
             try:
-                await self._lead_once(store, broker, audit, identity)
+                await self._lead_once(store, controller, identity)
                 failures = 0
             except StoreError as exc:
+                delay = backoff.ELECTION.delay(failures)
                 failures += 1
-                delay = backoff.ELECTION.delay(failures - 1)
-                log.error("election.failed", error=str(exc), retry_in_s=delay)
+                log.error("election.failed", error=str(exc), retry_in_s=round(delay, 3))
                 await anyio.sleep(delay)
 
     async def _lead_once(
-        self, store: Store, broker: BrokerClient, audit: AuditSink, identity: Mapping[str, Any]
+        self, store: Store, controller: Controller, identity: Mapping[str, Any]
     ) -> None:
-        """Campaign, then control until leadership is lost."""
+        """Campaign, then lead until leadership is lost."""
         ttl = self.config.election.lease_ttl_seconds
         async with lead(store, self.keys.leader, identity, ttl=ttl) as leadership:
-            self._token = leadership.token
             self.metrics.is_leader.set(1)
             self.metrics.fencing_token.set(leadership.token)
             self.metrics.leader_elections.inc()
             log.info("leader.acting", replica=self.replica, token=leadership.token)
-            controller = Controller(
-                config=self.current_config,
-                store=store,
-                broker=broker,
-                view=MetadataView(self.keys),
-                leadership=leadership,
-                metrics=self.metrics,
-                audit=audit,
-                clock=self.clock,
-                replica=self.replica,
-                history=self.history,
-            )
-            self._controller = controller
+            controller.grant(None, leadership)
+            self._report()
             try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(controller.run, name="controller")
-                    await leadership.lost.wait()
-                    log.warning("leader.lost", replica=self.replica, token=leadership.token)
-                    tg.cancel_scope.cancel()
+                await leadership.lost.wait()
+                log.warning("leader.lost", replica=self.replica, token=leadership.token)
             finally:
-                self._controller = None
-                self._token = None
+                controller.revoke(None)
                 self.metrics.is_leader.set(0)
+                self.metrics.fencing_token.set(0)
+                self._report()
 
 
 async def run(config_path: str, env: Mapping[str, str]) -> int:
-    """Entry point of ``controllerd run``; returns the exit code."""
+    """Entry point of ``controllerd run``; returns the exit status."""
     daemon = Daemon(config_path, env)
-    await daemon.run()
-    return 0
+    try:
+        return await daemon.run()
+    except* OperatorError as group:
+        raise group.exceptions[0] from None
 
 
 async def show_status(config_path: str, env: Mapping[str, str]) -> Mapping[str, Any] | None:
     """Who leads the cluster and with which fencing token (``controllerd status``)."""
     cfg = config_mod.load_file(config_path, env)
-    keys = Keys(cfg.etcd.metadata_prefix, cfg.controller_root)
-    async with open_configured_store(cfg.etcd) as store:
-        leader = await current_leader(store, keys.leader)
+    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
+    try:
+        async with open_configured_store(cfg.etcd) as store:
+            leader = await current_leader(store, keys.leader)
+    except StoreError as exc:
+        raise OperatorError(
+            f"etcd did not answer: {exc}", exit_code=EXIT_UNAVAILABLE, setting="etcd.endpoints"
+        ) from None
     if leader is None:
         return None
     return {"cluster": cfg.cluster.name, "leader": dict(leader[0]), "fencing_token": leader[1]}
+
+
+__all__ = ["EXIT_USAGE", "SHUTDOWN_DEADLINE", "Daemon", "run", "show_status"]

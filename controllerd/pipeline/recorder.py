@@ -275,7 +275,7 @@ async def record_from_config(
     """
     sink = ParquetSink(out)
     clock = SystemClock()
-    recorder = Recorder(Keys(cfg.etcd.metadata_prefix, cfg.controller_root), clock.now_ms)
+    recorder = Recorder(Keys(cfg.metadata_prefix, cfg.controller_root), clock.now_ms)
     async with open_store(
         cfg.etcd.endpoints,
         username=cfg.etcd.username,

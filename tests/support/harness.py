@@ -1,9 +1,9 @@
 """A leader's :class:`Controller` wired to real etcd and the test broker over real HTTP.
 
 The test broker mirrors every layout it writes into etcd, as a Pulsar broker
-does, so the controller sees its own operations arrive on its watch. Time is a
-:class:`ManualClock`: ticks, cooldowns and the GC interval pass only when a
-test advances it.
+does, so the controller sees its own operations arrive through the follower's
+watch. Time is a :class:`ManualClock`: ticks, cooldowns and the GC interval
+pass only when a test advances it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from controllerd.core.model import Layout, TopicName
 from controllerd.core.view import Keys, MetadataView
 from controllerd.daemon.clock import ManualClock
 from controllerd.daemon.controller import Controller
+from controllerd.daemon.follower import Follower
 from controllerd.daemon.metrics import Metrics
 from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 
@@ -32,7 +33,12 @@ TOPIC = TopicName("acme", "ns", "orders")
 
 
 def make_config(
-    prefix: str, extra: str = "", *, settle: float = 0.0, interval: float = 60.0
+    prefix: str,
+    extra: str = "",
+    *,
+    settle: float = 0.0,
+    interval: float = 60.0,
+    profile: str = "reference",
 ) -> config_mod.Config:
     """A config rooted at ``prefix`` in etcd; ``extra`` is more TOML appended."""
     return config_mod.load(
@@ -40,6 +46,8 @@ def make_config(
 [etcd]
 metadata_prefix = "{prefix}pulsar"
 controller_prefix = "{prefix}controllerd"
+[broker]
+profile = "{profile}"
 [autoscale]
 consumer_settle_seconds = {settle}
 interval_seconds = {interval}
@@ -142,8 +150,8 @@ async def open_harness(
     leadership: Leadership | None = None,
 ) -> AsyncIterator[Harness]:
     """A running leader; leaves by cancelling it (resigning the lease)."""
-    cfg = make_config(prefix, extra_config, settle=settle, interval=interval)
-    keys = Keys(cfg.etcd.metadata_prefix, cfg.controller_root)
+    cfg = make_config(prefix, extra_config, settle=settle, interval=interval, profile=profile)
+    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
     state = TestBrokerState(profile="reference" if profile == "reference" else "pulsar")
     clock = ManualClock()
     state.clock_ms = clock.now_ms
@@ -163,20 +171,26 @@ async def open_harness(
                 lead(store, keys.leader, {"replica": replica}, ttl=5)
             )
         box: list[Harness] = []
+        view = MetadataView(keys)
         controller = controller_class(
             config=lambda: box[0].config,
             store=store,
             broker=broker,
-            view=MetadataView(keys),
-            leadership=leadership,
+            view=view,
             metrics=metrics,
             audit=audit or AuditSink(),
             clock=clock,
             replica=replica,
         )
+        follower = Follower(
+            store, view, [keys.topics_prefix, keys.controller_prefix], controller.note, clock
+        )
         harness = Harness(cfg, keys, store, state, broker, clock, metrics, leadership, controller)
         box.append(harness)
         async with anyio.create_task_group() as tg:
+            tg.start_soon(follower.run)
+            await follower.synced.wait()
+            controller.grant(None, leadership)
             tg.start_soon(controller.run)
             await controller.ready.wait()
             yield harness
