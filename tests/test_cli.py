@@ -525,7 +525,18 @@ def test_completion_scripts_know_every_command(shell: str) -> None:
     if shell == "bash":
         bash = shutil.which("bash")
         assert bash
-        check = subprocess.run(
-            [bash, "-n"], input=proc.stdout, text=True, capture_output=True, check=False
+        # Source it in a real bash and ask it to complete "controllerd sta".
+        script = (
+            proc.stdout
+            + '\nCOMP_WORDS=(controllerd sta); COMP_CWORD=1; COMP_LINE="controllerd sta"'
+            + '\nCOMP_POINT=${#COMP_LINE}; _shtab_controllerd; echo "${COMPREPLY[*]}"\n'
         )
-        assert check.returncode == 0, check.stderr
+        check = subprocess.run(
+            [bash, "--norc", "-s"],
+            input=script,
+            text=True,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        assert (check.returncode, check.stdout.split()) == (0, ["status"]), check.stderr
