@@ -19,15 +19,11 @@ import functools
 import json
 import math
 import os
-import ssl
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Final
-
-import shtab
 
 from controllerd import config as config_mod
 from controllerd.core import layout as layout_mod
@@ -252,6 +248,8 @@ def config_file_errors(cfg: config_mod.Config) -> list[str]:
     before they start anything; ``check-config`` reports it with the config's own
     errors. Reads files only; changes nothing.
     """
+    import ssl  # here, not at the top: decide must start fast
+
     errors: list[str] = []
     readable: dict[str, str] = {}
     for setting, path, kind in _referenced_files(cfg):
@@ -287,8 +285,9 @@ def config_file_errors(cfg: config_mod.Config) -> list[str]:
 
 
 def _ssl_reason(exc: BaseException) -> str:
-    if isinstance(exc, ssl.SSLError) and exc.reason:
-        return str(exc.reason)
+    reason = getattr(exc, "reason", None)  # ssl.SSLError's library reason code
+    if isinstance(reason, str) and reason:
+        return reason
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
@@ -385,8 +384,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    print(shtab.complete(build_parser(), shell=args.shell), end="")
+    import shtab  # here, not at the top: ~30 ms that no other command needs
+
+    parser = build_parser()
+    for action in _all_actions(parser):
+        if getattr(action, _TAKES_FILE, False):
+            action.complete = shtab.FILE  # type: ignore[attr-defined]
+    print(shtab.complete(parser, shell=args.shell), end="")
     return EXIT_OK
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
+    for action in parser._actions:
+        yield action
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_actions(sub)
 
 
 # --- the parser -----------------------------------------------------------------------
@@ -452,9 +465,12 @@ def _main_epilog() -> str:
     )
 
 
+_TAKES_FILE: Final = "_controllerd_takes_file"
+
+
 def _file(action: argparse.Action) -> None:
-    """Tell shell completion the option takes a file name."""
-    action.complete = shtab.FILE  # type: ignore[attr-defined]
+    """Mark the option as taking a file name, for shell completion (cmd_completion)."""
+    setattr(action, _TAKES_FILE, True)
 
 
 def _config_option(parser: argparse.ArgumentParser, required_hint: bool) -> None:
@@ -469,9 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_main_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
-    )
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add(name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -621,10 +635,26 @@ def _positive_seconds(text: str) -> float:
 
 
 def _version() -> str:
+    from importlib import metadata  # ~50 ms: only when asked
+
     try:
         return metadata.version("controllerd")
     except metadata.PackageNotFoundError:  # running from a source tree that is not installed
         return "unknown (not installed)"
+
+
+class _Version(argparse.Action):
+    """``--version``, reading the package metadata only when it is asked for."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"{parser.prog} {_version()}")
+        parser.exit()
 
 
 # --- the one handler ------------------------------------------------------------------

@@ -523,6 +523,7 @@ def test_completion_scripts_know_every_command(shell: str) -> None:
     if shell != "tcsh":  # shtab completes only subcommands and positionals for tcsh
         assert "--last-split-ms" in proc.stdout
     if shell == "bash":
+        assert re.search(r"decide___layout_COMPGEN=_shtab_compgen_files", proc.stdout)
         bash = shutil.which("bash")
         assert bash
         # Source it in a real bash and ask it to complete "controllerd sta".
