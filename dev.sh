@@ -15,11 +15,20 @@ setup_system() {
     command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)             # tests, demo
     command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)    # unit verification
     command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)  # Spark
+    command -v promtool >/dev/null 2>&1 || missing+=(prometheus)      # promtool: alert rules
     if [ ${#missing[@]} -gt 0 ]; then
         echo "dev.sh: installing ${missing[*]}" >&2
         need_root apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive need_root apt-get install -y -qq "${missing[@]}" >/dev/null
+        DEBIAN_FRONTEND=noninteractive need_root apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}" >/dev/null
+        # Only promtool is wanted from the prometheus package, not a server on :9090.
+        if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+            need_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+        fi
     fi
+    # kubectl (with its built-in kustomize) renders config/kubernetes/ in the tests; the
+    # machine images have it, Debian's own is too old (no kustomize components).
+    command -v kubectl >/dev/null 2>&1 || echo "dev.sh: kubectl >= 1.21 is needed by tests/test_deploy.py" >&2
 }
 
 setup_python() {

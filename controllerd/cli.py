@@ -1,20 +1,29 @@
 """The ``controllerd`` command line.
 
-Each subcommand is a thin shell over the core or the runtime; heavy modules are
+Each subcommand is a thin shell over the core or the daemon; heavy modules are
 imported inside the command so that ``decide`` and ``check-config`` start fast
-and need none of the daemon's dependencies. Exit codes: 0 success, 1 a failed
-check, 2 unusable input (argparse uses 2 for bad usage too).
+and need none of the daemon's dependencies.
+
+:func:`main` is the one place that turns what escapes a command into an exit
+status (:mod:`controllerd.errors`): an :class:`~controllerd.errors.OperatorError`
+is one line ``controllerd: <cause> (setting: <name>)``; an invalid config is one
+line per error, each naming its setting; Ctrl-C exits 130 quietly; anything else
+is a bug, reported in one line with exit 70 (the traceback only with
+``CONTROLLERD_DEBUG=1``). No command prints a traceback for an operator's mistake.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Final
 
 from controllerd import config as config_mod
 from controllerd.core import layout as layout_mod
@@ -26,31 +35,99 @@ from controllerd.core.model import (
     load_sample_from_json,
 )
 from controllerd.core.policy import decide, resolve_policy
+from controllerd.errors import (
+    DEBUG_ENV,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SOFTWARE,
+    EXIT_STATUSES,
+    EXIT_USAGE,
+    OperatorError,
+    internal_error_line,
+)
 from controllerd.pipeline.cli import add_commands as add_pipeline_commands
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
+EXIT_BAD_INPUT: Final = EXIT_USAGE
+"""Former name of :data:`~controllerd.errors.EXIT_USAGE`, kept for importers."""
+
+PROG: Final = "controllerd"
+STDIN: Final = "-"
+
+#: Integers in input JSON must fit Java's long, as every integer field of Pulsar's
+#: JSON does; a larger one (a 400-digit rate) is refused with its path.
+_JAVA_LONG: Final = 2**63
 
 
 class InputError(Exception):
     """Malformed user input; the message says which file and field."""
 
 
-def _fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
-    print(f"controllerd: {message}", file=sys.stderr)
-    raise SystemExit(code)
+class ConfigInvalid(Exception):
+    """An unusable config: ``lines`` are printed one per line, then exit ``exit_code``."""
+
+    def __init__(self, lines: Sequence[str], exit_code: int) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = list(lines)
+        self.exit_code = exit_code
+
+
+# --- input files ----------------------------------------------------------------------
+
+
+def _display(path: str) -> str:
+    return "<stdin>" if path == STDIN else path
+
+
+def _read_text(path: str, what: str) -> str:
+    """The UTF-8 text of ``path`` (``-`` = stdin); InputError naming the file otherwise."""
+    try:
+        if path == STDIN:
+            return sys.stdin.buffer.read().decode("utf-8")
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise InputError(f"{what} {_display(path)}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{what} {_display(path)}: not UTF-8 text "
+            f"(byte {exc.start} is {exc.object[exc.start]:#04x})"
+        ) from None
 
 
 def _read_json(path: str, what: str) -> Any:
+    text = _read_text(path, what)
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"{what} {path}: {exc.strerror or exc}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{what} {path}: not JSON: {exc}") from None
+        obj = json.loads(text)
+    except RecursionError:
+        raise InputError(f"{what} {_display(path)}: not JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and ints past Python's digit limit
+        raise InputError(f"{what} {_display(path)}: not JSON: {exc}") from None
+    bad = _out_of_range(obj)
+    if bad is not None:
+        field, value = bad
+        raise InputError(
+            f"{what} {_display(path)}: {field}: number out of range ({value})"
+        ) from None
+    return obj
+
+
+def _out_of_range(obj: Any) -> tuple[str, str] | None:
+    """The first integer past Java's long or non-finite float, as (json path, value)."""
+    stack: list[tuple[str, Any]] = [("$", obj)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(node))))
+        elif isinstance(node, bool):
+            continue
+        elif isinstance(node, int) and not -_JAVA_LONG <= node < _JAVA_LONG:
+            digits = len(str(abs(node)))
+            return path.removeprefix("$."), f"an integer of {digits} digits"
+        elif isinstance(node, float) and not math.isfinite(node):
+            return path.removeprefix("$."), f"{node} is not a finite number"
+    return None
 
 
 def parse_loads(obj: Any, path: str) -> dict[int, LoadSample]:
@@ -67,6 +144,8 @@ def parse_loads(obj: Any, path: str) -> dict[int, LoadSample]:
             loads[sid] = load_sample_from_json(record, f"load[{key}]")
         except ModelError as exc:
             raise InputError(f"load {path}: {exc}") from None
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise InputError(f"load {path}: load[{key}]: {exc}") from None
     return loads
 
 
@@ -91,22 +170,27 @@ def parse_consumers(obj: Any, path: str) -> dict[str, int]:
     return counts
 
 
+def _parse_layout(obj: Any, path: str) -> Any:
+    try:
+        return layout_mod.check(layout_from_json(obj))
+    except (ModelError, layout_mod.LayoutError) as exc:
+        raise InputError(f"layout {path}: {exc}") from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InputError(f"layout {path}: {exc}") from None
+
+
 def cmd_decide(args: argparse.Namespace) -> int:
     try:
-        raw_layout = _read_json(args.layout, "layout")
-        try:
-            topic_layout = layout_mod.check(layout_from_json(raw_layout))
-        except (ModelError, layout_mod.LayoutError) as exc:
-            raise InputError(f"layout {args.layout}: {exc}") from None
-        loads = parse_loads(_read_json(args.load, "load"), args.load)
+        topic_layout = _parse_layout(_read_json(args.layout, "layout"), _display(args.layout))
+        loads = parse_loads(_read_json(args.load, "load"), _display(args.load))
         consumers = (
-            parse_consumers(_read_json(args.consumers, "consumers"), args.consumers)
+            parse_consumers(_read_json(args.consumers, "consumers"), _display(args.consumers))
             if args.consumers
             else {}
         )
     except InputError as exc:
-        _fail(str(exc))
-    settings = _load_config(args.config, EXIT_BAD_INPUT).policy
+        raise OperatorError(str(exc), exit_code=EXIT_USAGE) from None
+    settings = load_config(args.config, exit_code=EXIT_USAGE).policy
     policy = resolve_policy(settings, topic_layout.auto_scale_policy)
     decision = decide(
         topic_layout, loads, consumers, policy, args.now_ms, args.last_split_ms, args.last_merge_ms
@@ -115,28 +199,133 @@ def cmd_decide(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load_config(path: str | None, exit_code: int) -> config_mod.Config:
+# --- config ---------------------------------------------------------------------------
+
+
+def load_config(path: str | None, *, exit_code: int) -> config_mod.Config:
+    """The validated config at ``path`` (``-`` = stdin; None = defaults) with env overrides.
+
+    Raises:
+        ConfigInvalid: one line per error, each ``<file>: <setting>: <why>``; the
+            file is named once, however the error arose.
+    """
+    shown = "<defaults>" if path is None else _display(path)
+    if path is None:
+        text = ""
+    else:
+        try:
+            text = _read_text(path, "config")
+        except InputError as exc:
+            raise ConfigInvalid([str(exc).removeprefix("config ")], exit_code) from None
     try:
-        if path is None:
-            return config_mod.load("", os.environ)
-        return config_mod.load_file(path, os.environ)
+        return config_mod.load(text, os.environ)
     except config_mod.ConfigError as exc:
-        for error in exc.errors:
-            print(f"{path or '<defaults>'}: {error}", file=sys.stderr)
-        raise SystemExit(exit_code) from None
+        raise ConfigInvalid([f"{shown}: {error}" for error in exc.errors], exit_code) from None
+
+
+def _referenced_files(cfg: config_mod.Config) -> Iterator[tuple[str, str, str]]:
+    """(setting, path, kind) of every file the config names; kind: secret, ca, cert, key."""
+    for table in ("etcd", "broker"):
+        settings = getattr(cfg, table)
+        secret = "password_file" if table == "etcd" else "token_file"
+        for name, kind in (
+            (secret, "secret"),
+            ("ca_file", "ca"),
+            ("cert_file", "cert"),
+            ("key_file", "key"),
+        ):
+            path = getattr(settings, name)
+            if path is not None:
+                yield f"{table}.{name}", path, kind
+
+
+def config_file_errors(cfg: config_mod.Config) -> list[str]:
+    """Every file the config names that cannot serve its purpose, as ``setting: why``.
+
+    Each file is opened and read (as the daemon will, later, as this same user):
+    secrets must be non-empty, CA bundles must load as PEM certificates, and a
+    client certificate must load with its key. ``run`` and ``status`` call this
+    before they start anything; ``check-config`` reports it with the config's own
+    errors. Reads files only; changes nothing.
+    """
+    import ssl  # here, not at the top: decide must start fast
+
+    errors: list[str] = []
+    readable: dict[str, str] = {}
+    for setting, path, kind in _referenced_files(cfg):
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            errors.append(f"{setting}: cannot read {path}: {exc.strerror or exc}")
+            continue
+        readable[setting] = path
+        if kind == "secret" and not data.strip():
+            errors.append(f"{setting}: {path} is empty")
+        elif kind == "ca":
+            try:
+                ssl.create_default_context(cafile=path)
+            except (ssl.SSLError, ValueError) as exc:
+                errors.append(f"{setting}: {path} is not a PEM CA bundle: {_ssl_reason(exc)}")
+    for table in ("etcd", "broker"):
+        cert, key = f"{table}.cert_file", f"{table}.key_file"
+        if cert in readable and key in readable:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            try:
+                context.load_cert_chain(readable[cert], readable[key])
+            except (ssl.SSLError, ValueError) as exc:
+                errors.append(
+                    f"{cert}: {readable[cert]} and {key} {readable[key]} do not load as a "
+                    f"PEM certificate and its private key: {_ssl_reason(exc)}"
+                )
+    if cfg.etcd.username is not None and cfg.etcd.password_file is None:
+        errors.append("etcd.password_file: must be set when etcd.username is")
+    if cfg.etcd.password_file is not None and cfg.etcd.username is None:
+        errors.append("etcd.username: must be set when etcd.password_file is")
+    return errors
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    reason = getattr(exc, "reason", None)  # ssl.SSLError's library reason code
+    if isinstance(reason, str) and reason:
+        return reason
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def checked_config(path: str) -> config_mod.Config:
+    """The config of ``run`` and ``status``: valid, and every file it names usable."""
+    cfg = load_config(path, exit_code=EXIT_USAGE)
+    problems = config_file_errors(cfg)
+    if problems:
+        raise ConfigInvalid([f"{_display(path)}: {p}" for p in problems], EXIT_USAGE)
+    return cfg
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    _load_config(args.file, EXIT_FAILED)
-    print(f"{args.file}: ok")
+    path: str | None = args.file or os.environ.get(config_mod.CONFIG_PATH_ENV)
+    if not path:
+        raise OperatorError(
+            f"no FILE given and {config_mod.CONFIG_PATH_ENV} is not set", exit_code=EXIT_USAGE
+        )
+    cfg = load_config(path, exit_code=EXIT_FAILED)
+    problems = config_file_errors(cfg)
+    if problems:
+        raise ConfigInvalid([f"{_display(path)}: {p}" for p in problems], EXIT_FAILED)
+    print(f"{_display(path)}: ok")
     return EXIT_OK
 
 
 def _config_path(args: argparse.Namespace) -> str:
-    path: str | None = args.config or os.environ.get("CONTROLLERD_CONFIG")
+    path: str | None = args.config or os.environ.get(config_mod.CONFIG_PATH_ENV)
     if not path:
-        _fail("--config FILE (or CONTROLLERD_CONFIG) is required")
+        raise OperatorError(
+            f"--config FILE (or {config_mod.CONFIG_PATH_ENV}) is required",
+            exit_code=EXIT_USAGE,
+            setting="--config",
+        )
     return path
+
+
+# --- daemon commands ------------------------------------------------------------------
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -145,94 +334,381 @@ def cmd_run(args: argparse.Namespace) -> int:
     from controllerd.daemon import runtime
 
     path = _config_path(args)
-    _load_config(path, EXIT_BAD_INPUT)  # refuse an invalid config before starting anything
-    return anyio.run(runtime.run, path, dict(os.environ))
+    checked_config(path)  # refuse an invalid config or a missing file before starting anything
+    result: int = anyio.run(runtime.run, path, dict(os.environ))
+    return result
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     import anyio
 
-    from controllerd.daemon import runtime
+    from controllerd.daemon import status as status_mod
+    from controllerd.daemon.logs import configure_logging
 
-    path = _config_path(args)
-    _load_config(path, EXIT_BAD_INPUT)
-    status = anyio.run(runtime.show_status, path, dict(os.environ))
-    if status is None:
-        print(json.dumps({"leader": None, "fencing_token": None}))
+    cfg = checked_config(_config_path(args))
+    configure_logging(cfg.logging.level, cfg.logging.format)
+    output = args.output or ("table" if _isatty(sys.stdout) else "json")
+    state = anyio.run(functools.partial(status_mod.read_status, cfg, within=args.timeout))
+    if output == "table":
+        print(status_mod.render_table(state))
+    else:
+        print(json.dumps(state))
+    why = status_mod.problem(state, cfg)
+    if why is not None:
+        print(f"{PROG}: {why}", file=sys.stderr)
         return EXIT_FAILED
-    print(json.dumps(status))
     return EXIT_OK
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def cmd_refbroker(args: argparse.Namespace) -> int:
     from controllerd.refbroker.main import cmd_refbroker as refbroker
 
     if args.config:
-        _load_config(args.config, EXIT_BAD_INPUT)
-    return refbroker(args)
+        load_config(args.config, exit_code=EXIT_USAGE)
+    result: int = refbroker(args)
+    return result
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from controllerd.demo import cmd_demo as demo
 
-    return demo(args.keep)
+    result: int = demo(args.keep)
+    return result
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    import shtab  # here, not at the top: ~30 ms that no other command needs
+
+    parser = build_parser()
+    for action in _all_actions(parser):
+        if getattr(action, _TAKES_FILE, False):
+            action.complete = shtab.FILE  # type: ignore[attr-defined]
+    print(shtab.complete(parser, shell=args.shell), end="")
+    return EXIT_OK
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
+    for action in parser._actions:
+        yield action
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_actions(sub)
+
+
+# --- the parser -----------------------------------------------------------------------
+
+#: ``--help`` examples of every subcommand (the pipeline's included), shown as its epilog.
+EXAMPLES: Final[Mapping[str, str]] = {
+    "decide": """\
+  controllerd decide --layout examples/layout.json --load examples/load.json \\
+      --consumers examples/consumers.json --now-ms 1760000400000
+  controllerd decide --layout L.json --load - --now-ms "$(date +%s000)" < LOAD.json""",
+    "run": """\
+  controllerd run --config /etc/controllerd/controllerd.toml
+  CONTROLLERD_CONFIG=/etc/controllerd/controllerd.toml controllerd run""",
+    "status": """\
+  controllerd status --config /etc/controllerd/controllerd.toml
+  controllerd status -o json | jq .fencing_token""",
+    "demo": """\
+  controllerd demo
+  controllerd demo --keep""",
+    "refbroker": """\
+  controllerd refbroker --etcd http://127.0.0.1:2379 --kafka 127.0.0.1:9092 \\
+      --listen 127.0.0.1:8080 --config controllerd.toml""",
+    "check-config": """\
+  controllerd check-config /etc/controllerd/controllerd.toml
+  CONTROLLERD_POLICY__MAX_SEGMENTS=0 controllerd check-config my.toml
+  kubectl get cm controllerd-config -o jsonpath='{.data.controllerd\\.toml}' \\
+      | controllerd check-config -""",
+    "completion": """\
+  controllerd completion bash > /etc/bash_completion.d/controllerd
+  controllerd completion zsh > "${fpath[1]}/_controllerd\"""",
+    "backtest": """\
+  controllerd backtest --traces traces/nab/ --variants examples/variants.toml --out /tmp/bt
+  controllerd backtest --traces /tmp/recorded --engine spark --out /tmp/bt""",
+    "record": """\
+  controllerd record --config /etc/controllerd/controllerd.toml --out /tmp/recorded""",
+}
+
+#: Exit statuses of each subcommand, beyond 0 (success), 70 (bug) and 130 (Ctrl-C).
+COMMAND_EXITS: Final[Mapping[str, tuple[int, ...]]] = {
+    "decide": (2,),
+    "run": (2, 3),
+    "status": (1, 2, 3),
+    "check-config": (1, 2),
+    "demo": (2, 3),
+    "refbroker": (2, 3),
+    "completion": (2,),
+    "backtest": (2,),
+    "record": (2, 3),
+}
+
+
+def _epilog(command: str) -> str:
+    statuses = ", ".join(f"{code} {EXIT_STATUSES[code]}" for code in COMMAND_EXITS[command])
+    return f"examples:\n{EXAMPLES[command]}\n\nexit status: 0 success; {statuses}"
+
+
+def _main_epilog() -> str:
+    lines = [f"  {code:>3}  {text}" for code, text in EXIT_STATUSES.items()]
+    return (
+        "exit statuses (docs/operations.md has them per command):\n"
+        + "\n".join(lines)
+        + f"\n\n{DEBUG_ENV}=1 prints the traceback of an internal error."
+    )
+
+
+_TAKES_FILE: Final = "_controllerd_takes_file"
+
+
+def _file(action: argparse.Action) -> None:
+    """Mark the option as taking a file name, for shell completion (cmd_completion)."""
+    setattr(action, _TAKES_FILE, True)
+
+
+def _config_option(parser: argparse.ArgumentParser, required_hint: bool) -> None:
+    hint = f" (default: ${config_mod.CONFIG_PATH_ENV})" if required_hint else ""
+    _file(parser.add_argument("--config", metavar="FILE", help=f"controllerd.toml{hint}"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="controllerd",
+        prog=PROG,
         description="Split, merge and garbage-collect the segments of scalable topics.",
+        epilog=_main_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("decide", help="run the policy once on files; print the decision as JSON")
-    p.add_argument("--layout", required=True, metavar="L.json", help="ScalableTopicMetadata JSON")
-    p.add_argument("--load", required=True, metavar="LOAD.json", help="segment id -> load record")
-    p.add_argument("--consumers", metavar="C.json", help="subscription -> consumer count")
-    p.add_argument("--config", metavar="controllerd.toml", help="policy settings (else defaults)")
-    p.add_argument("--now-ms", required=True, type=int, metavar="N")
-    p.add_argument("--last-split-ms", type=int, metavar="N")
-    p.add_argument("--last-merge-ms", type=int, metavar="N")
+    def add(name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help_text,
+            description=description or help_text[0].upper() + help_text[1:] + ".",
+            epilog=_epilog(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    p = add("decide", "run the policy once on files; print the decision as JSON")
+    _file(
+        p.add_argument(
+            "--layout",
+            required=True,
+            metavar="L.json",
+            help="ScalableTopicMetadata JSON (- = stdin)",
+        )
+    )
+    _file(
+        p.add_argument(
+            "--load",
+            required=True,
+            metavar="LOAD.json",
+            help="segment id -> load record (- = stdin)",
+        )
+    )
+    _file(
+        p.add_argument(
+            "--consumers", metavar="C.json", help="subscription -> consumer count (- = stdin)"
+        )
+    )
+    _file(
+        p.add_argument(
+            "--config", metavar="FILE", help="controllerd.toml with [policy] (default: defaults)"
+        )
+    )
+    p.add_argument(
+        "--now-ms", required=True, type=int, metavar="N", help="the decision time, Unix ms"
+    )
+    p.add_argument(
+        "--last-split-ms", type=int, metavar="N", help="when the topic last split, Unix ms"
+    )
+    p.add_argument(
+        "--last-merge-ms", type=int, metavar="N", help="when the topic last merged, Unix ms"
+    )
     p.set_defaults(func=cmd_decide)
 
-    p = sub.add_parser("run", help="run a controller replica (leader-elected through etcd)")
-    p.add_argument("--config", metavar="FILE", help="controllerd.toml (or $CONTROLLERD_CONFIG)")
+    p = add("run", "run a controller replica (leader-elected through etcd)")
+    _config_option(p, True)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("status", help="print who leads the cluster and the fencing token")
-    p.add_argument("--config", metavar="FILE", help="controllerd.toml (or $CONTROLLERD_CONFIG)")
+    p = add(
+        "status",
+        "print who leads the cluster (or owns each shard) and the fencing token",
+        "Read the election keys from etcd once and print who leads the cluster and its "
+        "fencing token (sharded mode: who owns each shard). Exits 1 when nobody leads.",
+    )
+    _config_option(p, True)
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=("json", "table"),
+        help="output format (default: table on a terminal, else json; json is the stable one)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=3.0,
+        metavar="SECONDS",
+        help="give up when etcd has not answered for this long (default: 3)",
+    )
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("demo", help="run everything on 127.0.0.1 and show it split, merge, GC")
+    p = add("demo", "run everything on 127.0.0.1 and show it split, merge, GC")
     p.add_argument("--keep", action="store_true", help="keep the work directory with the logs")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("refbroker", help="run the reference broker (admin API over etcd + Kafka)")
+    p = add("refbroker", "run the reference broker (admin API over etcd + Kafka)")
     p.add_argument("--etcd", default="http://127.0.0.1:2379", help="etcd endpoint URL")
     p.add_argument("--kafka", default="127.0.0.1:9092", help="Kafka bootstrap host:port")
     p.add_argument("--listen", default="127.0.0.1:8080", help="admin API host:port")
-    p.add_argument("--metadata-prefix", default="/pulsar")
+    p.add_argument(
+        "--metadata-prefix",
+        default="/pulsar",
+        metavar="PREFIX",
+        help="etcd prefix of the topic metadata (default: /pulsar)",
+    )
     p.add_argument(
         "--leader-key",
         help="controller leader key checked against X-Fencing-Token "
         "(default: <controller_prefix>/<cluster>/leader from --config)",
     )
-    p.add_argument("--report-interval", type=float, default=10.0, metavar="SECONDS")
-    p.add_argument("--config", help="controllerd.toml: thresholds and [load_report] rules")
+    p.add_argument(
+        "--report-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between load measurements (default: 10)",
+    )
+    _file(
+        p.add_argument(
+            "--config", metavar="FILE", help="controllerd.toml: thresholds and [load_report] rules"
+        )
+    )
     p.set_defaults(func=cmd_refbroker)
 
-    p = sub.add_parser("check-config", help="validate a config file; print every error")
-    p.add_argument("file", metavar="FILE")
+    p = add(
+        "check-config",
+        "validate a config and every file it names; print every error",
+        "Validate a config file as `run` would: every setting, the CONTROLLERD_* "
+        "overrides, and every file it names (secrets, CA bundles, client certificates "
+        "and keys) opened and loaded. Prints FILE: ok, or one line per error, each "
+        "naming its setting.",
+    )
+    _file(
+        p.add_argument(
+            "file",
+            nargs="?",
+            metavar="FILE",
+            help=f"the config file; - reads stdin (default: ${config_mod.CONFIG_PATH_ENV})",
+        )
+    )
     p.set_defaults(func=cmd_check_config)
 
+    p = add("completion", "print a shell completion script")
+    p.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell to complete for")
+    p.set_defaults(func=cmd_completion)
+
     add_pipeline_commands(sub)  # backtest, record (heavy imports happen inside them)
+    for name, subparser in sub.choices.items():
+        if subparser.epilog is None and name in EXAMPLES:
+            subparser.epilog = _epilog(name)
+            subparser.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
+    return value
+
+
+def _version() -> str:
+    from importlib import metadata  # ~50 ms: only when asked
+
+    try:
+        return metadata.version("controllerd")
+    except metadata.PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown (not installed)"
+
+
+class _Version(argparse.Action):
+    """``--version``, reading the package metadata only when it is asked for."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"{parser.prog} {_version()}")
+        parser.exit()
+
+
+# --- the one handler ------------------------------------------------------------------
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, such as anyio task groups raise."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _report(exc: BaseException) -> int:
+    """Print what ``exc`` means to an operator; return the exit status."""
+    leaves = _leaves(exc)
+    for leaf in leaves:
+        if isinstance(leaf, KeyboardInterrupt):
+            return EXIT_INTERRUPTED
+    for leaf in leaves:
+        if isinstance(leaf, OperatorError):
+            print(f"{PROG}: {leaf.line()}", file=sys.stderr)
+            return leaf.exit_code
+        if isinstance(leaf, ConfigInvalid):
+            for line in leaf.lines:
+                print(line, file=sys.stderr)
+            return leaf.exit_code
+    for leaf in leaves:
+        if isinstance(leaf, SystemExit) and isinstance(leaf.code, int | None):
+            return leaf.code or EXIT_OK
+    print(f"{PROG}: {internal_error_line(leaves[0])}", file=sys.stderr)
+    if os.environ.get(DEBUG_ENV) == "1":
+        traceback.print_exception(exc)
+    return EXIT_SOFTWARE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; every outcome is an exit status (:mod:`controllerd.errors`)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # usage errors: argparse's message, exit 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
     func: Callable[[argparse.Namespace], int] = args.func
-    return func(args)
+    try:
+        return func(args)
+    except SystemExit:
+        raise
+    except BrokenPipeError:
+        # The reader went away (`controllerd status | head -1`): not an error of ours.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
+    except BaseException as exc:  # the one place that turns what escapes into a status
+        return _report(exc)
 
 
 if __name__ == "__main__":

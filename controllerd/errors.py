@@ -1,13 +1,16 @@
 """Exit statuses and the one exception type for mistakes an operator can fix.
 
 Every ``controllerd`` command ends with one of these statuses (docs/operations.md
-lists them). An :class:`OperatorError` is printed as one line naming the cause
-and, where there is one, the setting to change; never as a traceback. Anything
-else that escapes a command is a bug (:data:`EXIT_SOFTWARE`).
+lists them per command). An :class:`OperatorError` is printed as one line naming
+the cause and, where there is one, the setting to change; never as a traceback.
+Anything else that escapes a command is a bug (:data:`EXIT_SOFTWARE`):
+``controllerd.cli.main`` prints :func:`internal_error_line` and, only when
+:data:`DEBUG_ENV` is ``1``, the traceback.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
 EXIT_OK: Final = 0
@@ -20,6 +23,21 @@ EXIT_UNAVAILABLE: Final = 3
 """A dependency (etcd, Kafka, the broker) could not be reached or refused our credentials."""
 EXIT_SOFTWARE: Final = 70
 """An internal error: a bug. The supervisor restarts the daemon; please report it."""
+EXIT_INTERRUPTED: Final = 130
+"""Interrupted from the terminal (Ctrl-C, SIGINT outside ``run``): 128 + SIGINT, as shells do."""
+
+EXIT_STATUSES: Final[Mapping[int, str]] = {
+    EXIT_OK: "success (run: stopped on request)",
+    EXIT_FAILED: "a check failed (check-config: errors found; status: no leader)",
+    EXIT_USAGE: "bad usage, an invalid config or input file, or a setting that cannot work",
+    EXIT_UNAVAILABLE: "etcd, Kafka or the broker unreachable, or it refused our credentials",
+    EXIT_SOFTWARE: "internal error (a bug: please report it)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+"""Every status a command can end with, in one line each (for ``--help`` and the docs)."""
+
+DEBUG_ENV: Final = "CONTROLLERD_DEBUG"
+"""Set to ``1`` to print the traceback of an internal error (never of an operator error)."""
 
 
 class OperatorError(Exception):
@@ -41,3 +59,10 @@ class OperatorError(Exception):
         if self.setting and self.setting not in text:
             text = f"{text} (setting: {self.setting})"
         return text
+
+
+def internal_error_line(exc: BaseException) -> str:
+    """The one line printed for an unexpected exception: a bug, not the operator's doing."""
+    message = " ".join(str(exc).split())
+    cause = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return f"internal error: {cause} (a bug: please report it; set {DEBUG_ENV}=1 for the traceback)"

@@ -1,18 +1,25 @@
-"""``controllerd decide`` and ``check-config``: the scripted contract and its exit codes."""
+"""The ``controllerd`` command line: ``decide``'s contract, ``check-config``, and the
+one-line errors and exit statuses every command shares (run as a real process)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from controllerd.cli import main
+from controllerd.cli import build_parser, main
 from controllerd.core.layout import initial_layout
 from controllerd.core.model import layout_to_json
+from tests.support.etcd import Pki, make_pki
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOW = 1_760_000_400_000
@@ -213,3 +220,324 @@ def test_console_entry_point_runs_as_a_process() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["action"] == "split"
+
+
+# --- the console script as a process: one line, one documented exit status -----------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(
+    *argv: str, env: dict[str, str] | None = None, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m controllerd.cli ARGV`` from this tree, in a clean CONTROLLERD_* environment."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLLERD_")}
+    base["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "controllerd.cli", *argv],
+        env={**base, **(env or {})},
+        cwd=ROOT,
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    return subprocess.CompletedProcess(
+        proc.args,
+        proc.returncode,
+        proc.stdout.decode("utf-8", "replace"),
+        proc.stderr.decode("utf-8", "replace"),
+    )
+
+
+def one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The only line on stderr (asserts there is exactly one, so never a traceback)."""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def decide_files(tmp_path: Path, **override: bytes) -> dict[str, str]:
+    files = {
+        "layout": json.dumps(layout_to_json(initial_layout(1))).encode(),
+        "load": b"{}",
+        "consumers": b"{}",
+        **override,
+    }
+    paths = {}
+    for name, content in files.items():
+        (tmp_path / f"{name}.json").write_bytes(content)
+        paths[name] = str(tmp_path / f"{name}.json")
+    return paths
+
+
+def load_record(rate: str) -> bytes:
+    return (
+        '{"0": {"msgRateIn": ' + rate + ', "bytesRateIn": 0, "msgRateOut": 0, '
+        '"byteRateOut": 0, "changedAtMs": 0}}'
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    ("which", "content", "names"),
+    [
+        ("layout", b"\xff\xfe{}", ["not UTF-8"]),
+        ("load", b'{"0": "caf\xe9"}', ["not UTF-8"]),
+        ("layout", b"[" * 100_000, ["nested too deeply"]),
+        ("consumers", b'{"s": ' + b"[" * 100_000, ["nested too deeply"]),
+        ("load", load_record("9" * 400), ["0.msgRateIn", "out of range"]),
+        ("load", load_record("1e999"), ["msgRateIn"]),
+        ("layout", b'{"epoch": 1e999, "segments": {}}', ["epoch", "out of range"]),
+        ("load", load_record("1" + "0" * 5000), ["not JSON"]),
+    ],
+)
+def test_decide_refuses_hostile_input_in_one_line_with_status_2(
+    tmp_path: Path, which: str, content: bytes, names: list[str]
+) -> None:
+    paths = decide_files(tmp_path, **{which: content})
+    proc = cli(
+        "decide",
+        "--layout",
+        paths["layout"],
+        "--load",
+        paths["load"],
+        "--consumers",
+        paths["consumers"],
+        "--now-ms",
+        "0",
+    )
+    assert proc.returncode == 2, proc.stderr
+    line = one_line(proc)
+    assert line.startswith("controllerd: ") and paths[which] in line
+    for name in names:
+        assert name in line
+
+
+def test_decide_reads_stdin_for_dash(tmp_path: Path) -> None:
+    proc = cli(
+        "decide",
+        "--layout",
+        "-",
+        "--load",
+        str(EXAMPLES / "load.json"),
+        "--now-ms",
+        "0",
+        stdin=(EXAMPLES / "layout.json").read_bytes(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["action"] == "split"
+
+
+#: (setting, TOML that sets it to a missing file, plus whatever it needs to be valid)
+MISSING_FILES = [
+    ("etcd.password_file", '[etcd]\nusername = "u"\npassword_file = "{missing}"\n'),
+    ("broker.token_file", '[broker]\ntoken_file = "{missing}"\n'),
+    ("etcd.ca_file", '[etcd]\nca_file = "{missing}"\n'),
+    ("etcd.cert_file", '[etcd]\ncert_file = "{missing}"\nkey_file = "{key}"\n'),
+    ("etcd.key_file", '[etcd]\ncert_file = "{cert}"\nkey_file = "{missing}"\n'),
+    ("broker.ca_file", '[broker]\nca_file = "{missing}"\n'),
+    ("broker.cert_file", '[broker]\ncert_file = "{missing}"\nkey_file = "{key}"\n'),
+    ("broker.key_file", '[broker]\ncert_file = "{cert}"\nkey_file = "{missing}"\n'),
+]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def config_naming(tmp_path: Path, template: str, pki: Pki) -> tuple[Path, str]:
+    missing = str(tmp_path / "credentials" / "absent")
+    text = template.format(missing=missing, cert=pki.client_cert, key=pki.client_key)
+    path = tmp_path / "controllerd.toml"
+    path.write_text(text + '[http]\nlisten = "127.0.0.1:0"\n', encoding="utf-8")
+    return path, missing
+
+
+@pytest.mark.parametrize(("setting", "template"), MISSING_FILES)
+def test_run_refuses_a_missing_file_before_starting_anything(
+    tmp_path: Path, pki: Pki, setting: str, template: str
+) -> None:
+    path, missing = config_naming(tmp_path, template, pki)
+    proc = cli("run", "--config", str(path))
+    assert proc.returncode == 2, proc.stderr
+    line = one_line(proc)
+    assert f"{setting}: cannot read {missing}" in line and line.count(str(path)) == 1
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(("setting", "template"), MISSING_FILES)
+def test_check_config_opens_every_file_the_config_names(
+    tmp_path: Path, pki: Pki, setting: str, template: str
+) -> None:
+    path, missing = config_naming(tmp_path, template, pki)
+    proc = cli("check-config", str(path))
+    assert proc.returncode == 1, proc.stderr
+    assert f"{setting}: cannot read {missing}" in one_line(proc)
+
+
+def test_check_config_loads_certificates_and_refuses_empty_secrets(
+    tmp_path: Path, pki: Pki
+) -> None:
+    empty = tmp_path / "token"
+    empty.write_text("\n", encoding="utf-8")
+    good = tmp_path / "good.toml"
+    good.write_text(
+        f'[etcd]\nca_file = "{pki.ca}"\ncert_file = "{pki.client_cert}"\n'
+        f'key_file = "{pki.client_key}"\n',
+        encoding="utf-8",
+    )
+    proc = cli("check-config", str(good))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"{good}: ok\n", "")
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        f'[etcd]\nca_file = "{pki.client_key}"\ncert_file = "{pki.client_cert}"\n'
+        f'key_file = "{pki.server_key}"\n[broker]\ntoken_file = "{empty}"\n',
+        encoding="utf-8",
+    )
+    proc = cli("check-config", str(bad))
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 3, proc.stderr
+    assert any("etcd.ca_file:" in line and "not a PEM CA bundle" in line for line in lines)
+    assert any("etcd.cert_file:" in line and "private key" in line for line in lines)
+    assert any(f"broker.token_file: {empty} is empty" in line for line in lines)
+
+
+def test_check_config_honours_the_environment_and_stdin(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("[policy]\nmax_segments = 32\n", encoding="utf-8")
+    proc = cli("check-config", env={"CONTROLLERD_CONFIG": str(config)})
+    assert (proc.returncode, proc.stdout) == (0, f"{config}: ok\n"), proc.stderr
+    proc = cli("check-config", "-", stdin=b"[policy]\nmin_segments = 0\n")
+    assert proc.returncode == 1
+    assert one_line(proc).startswith("<stdin>: policy.min_segments: must be >= 1")
+    proc = cli("check-config", "-", stdin=b"[policy]\n", env={"CONTROLLERD_POLICY__BOGUS": "1"})
+    assert proc.returncode == 1 and "CONTROLLERD_POLICY__BOGUS" in one_line(proc)
+    proc = cli("check-config")
+    assert proc.returncode == 2 and "CONTROLLERD_CONFIG" in one_line(proc)
+
+
+@pytest.mark.parametrize(
+    ("content", "expect"),
+    [(None, "No such file or directory"), (b"\xff", "not UTF-8"), (b"[policy\n", "invalid TOML")],
+)
+def test_check_config_names_the_file_once(
+    tmp_path: Path, content: bytes | None, expect: str
+) -> None:
+    path = tmp_path / "controllerd.toml"
+    if content is not None:
+        path.write_bytes(content)
+    proc = cli("check-config", str(path))
+    assert proc.returncode == 1
+    line = one_line(proc)
+    assert line.count(str(path)) == 1 and line.startswith(f"{path}: ") and expect in line
+
+
+BUG = (
+    "import sys, controllerd.cli as cli\n"
+    "def broken(args):\n"
+    "    raise {exc}\n"
+    "cli.cmd_demo = broken\n"
+    "sys.exit(cli.main(['demo']))\n"
+)
+
+
+def python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLLERD_")}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**base, "PYTHONPATH": str(ROOT), **(env or {})},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_a_bug_is_one_line_and_status_70_with_the_traceback_on_request() -> None:
+    proc = python(BUG.format(exc="KeyError('segments')"))
+    assert proc.returncode == 70
+    line = one_line(proc)
+    assert line.startswith("controllerd: internal error: KeyError: 'segments'")
+    assert "CONTROLLERD_DEBUG=1" in line
+    proc = python(BUG.format(exc="KeyError('segments')"), env={"CONTROLLERD_DEBUG": "1"})
+    assert proc.returncode == 70
+    assert proc.stderr.splitlines()[0] == line
+    assert "Traceback (most recent call last)" in proc.stderr and ", in broken" in proc.stderr
+
+
+def test_ctrl_c_exits_130_quietly() -> None:
+    proc = python(BUG.format(exc="KeyboardInterrupt()"))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "")
+
+
+def test_an_operator_error_inside_a_task_group_is_still_one_line() -> None:
+    exc = (
+        "ExceptionGroup('tasks', [__import__('controllerd.errors').errors.OperatorError("
+        "'cannot listen on 127.0.0.1:9464: address in use', exit_code=2, setting='http.listen')])"
+    )
+    proc = python(BUG.format(exc=exc))
+    assert proc.returncode == 2
+    assert one_line(proc) == (
+        "controllerd: cannot listen on 127.0.0.1:9464: address in use (setting: http.listen)"
+    )
+
+
+def test_version_help_and_no_arguments() -> None:
+    proc = cli("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"controllerd {metadata.version('controllerd')}"
+    proc = cli()
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("usage: controllerd") and "exit statuses" in proc.stderr
+    for code in (0, 1, 2, 3, 70, 130):
+        assert re.search(rf"^\s+{code}\s+\S", proc.stderr, re.MULTILINE), code
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (group,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(group.choices)
+
+
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_every_option_has_help_and_every_command_examples(command: str) -> None:
+    sub = subcommands()[command]
+    for action in sub._actions:
+        assert action.help and action.help != argparse.SUPPRESS, (command, action.dest)
+    text = sub.format_help()
+    assert "examples:\n  controllerd " + command in text
+    assert "exit status: 0 success" in text
+    proc = cli(command, "--help")
+    assert proc.returncode == 0 and "examples:\n  controllerd " + command in proc.stdout
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "tcsh"])
+def test_completion_scripts_know_every_command(shell: str) -> None:
+    proc = cli("completion", shell)
+    assert proc.returncode == 0, proc.stderr
+    for command in subcommands():
+        assert command in proc.stdout
+    if shell != "tcsh":  # shtab completes only subcommands and positionals for tcsh
+        assert "--last-split-ms" in proc.stdout
+    if shell == "bash":
+        assert re.search(r"decide___layout_COMPGEN=_shtab_compgen_files", proc.stdout)
+        bash = shutil.which("bash")
+        assert bash
+        # Source it in a real bash and ask it to complete "controllerd sta".
+        script = (
+            proc.stdout
+            + '\nCOMP_WORDS=(controllerd sta); COMP_CWORD=1; COMP_LINE="controllerd sta"'
+            + '\nCOMP_POINT=${#COMP_LINE}; _shtab_controllerd; echo "${COMPREPLY[*]}"\n'
+        )
+        check = subprocess.run(
+            [bash, "--norc", "-s"],
+            input=script,
+            text=True,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        assert (check.returncode, check.stdout.split()) == (0, ["status"]), check.stderr

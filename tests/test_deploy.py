@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
+import functools
 import itertools
 import json
 import os
@@ -57,6 +57,10 @@ TMPFILES = ROOT / "systemd" / "controllerd.tmpfiles"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 KUBERNETES = ROOT / "config" / "kubernetes"
+PROMETHEUS_OPERATOR = KUBERNETES / "prometheus-operator"
+RULES = ROOT / "config" / "prometheus" / "controllerd-rules.yaml"
+RULES_TESTS = ROOT / "config" / "prometheus" / "controllerd-rules.test.yaml"
+OPERATIONS_DOC = ROOT / "docs" / "operations.md"
 DASHBOARD = ROOT / "dashboards" / "controllerd.json"
 REFERENCE_CONFIG = ROOT / "config" / "controllerd.toml"
 
@@ -156,7 +160,20 @@ def test_unit_supervises_as_the_daemon_expects() -> None:
         *RUN_ARGS,
     ]
     assert one(service, "ExecReload") == "/bin/kill -HUP $MAINPID"
-    assert one(service, "Restart") == "on-failure"
+    # Whatever the exit status, even 0: a daemon that stops on its own is a failure.
+    assert one(service, "Restart") == "always"
+    assert 1 <= timespan(one(service, "RestartSec")) <= 30
+    unit = unit_entries(UNIT)["Unit"]
+    burst, interval = (
+        int(one(unit, "StartLimitBurst")),
+        timespan(one(unit, "StartLimitIntervalSec")),
+    )
+    # The start limit stops a crash loop (a config error), never a slow etcd outage:
+    # attempts that each wait TimeoutStartSec for etcd stay under the burst.
+    start_timeout = timespan(one(service, "TimeoutStartSec"))
+    assert interval / (start_timeout + timespan(one(service, "RestartSec"))) < burst
+    assert burst * timespan(one(service, "RestartSec")) < interval
+    assert "RestartPreventExitStatus" not in dict(service)
     watchdog = timespan(one(service, "WatchdogSec"))
     assert watchdog > 0
     stop = timespan(one(service, "TimeoutStopSec"))
@@ -347,19 +364,60 @@ def test_dockerignore_admits_what_the_build_copies_and_nothing_else() -> None:
 # --- Kubernetes -----------------------------------------------------------------
 
 
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """What ``kubectl apply -k DIRECTORY`` would apply, rendered by kustomize itself."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl missing (it embeds kustomize): install it (dev.sh does)"
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for doc in docs:
+        assert doc["kind"] not in out, f"two {doc['kind']}s"
+        out[doc["kind"]] = doc
+    return out
+
+
+@functools.cache
+def _rendered() -> tuple[dict[str, Any], ...]:
+    return tuple(kustomize(KUBERNETES))
+
+
 def manifests() -> dict[str, dict[str, Any]]:
-    """kind -> the one manifest of that kind, from the files kustomization.yaml lists."""
+    """kind -> the one manifest of that kind ``kubectl apply -k config/kubernetes/`` applies."""
+    return copy.deepcopy(by_kind(list(_rendered())))
+
+
+def with_prometheus_operator(tmp_path: Path) -> dict[str, dict[str, Any]]:
+    """The manifests with the prometheus-operator component enabled, as the comment says."""
+    copied = tmp_path / "kubernetes"
+    shutil.copytree(KUBERNETES, copied)
+    kustomization = copied / "kustomization.yaml"
+    text = kustomization.read_text(encoding="utf-8")
+    enabled = text.replace(
+        "# components:\n#   - prometheus-operator", "components:\n  - prometheus-operator"
+    )
+    assert enabled != text, "kustomization.yaml no longer offers the component as documented"
+    kustomization.write_text(enabled, encoding="utf-8")
+    return by_kind(kustomize(copied))
+
+
+def test_kustomization_lists_every_manifest_file() -> None:
     kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
-    files = kustomization["resources"]
     on_disk = {p.name for p in KUBERNETES.glob("*.y*ml")} - {"kustomization.yaml"}
-    assert set(files) == on_disk, "kustomization.yaml must list every manifest"
-    docs: dict[str, dict[str, Any]] = {}
-    for name in files:
-        for doc in yaml.safe_load_all((KUBERNETES / name).read_text(encoding="utf-8")):
-            if doc:
-                assert doc["kind"] not in docs, f"two {doc['kind']}s"
-                docs[doc["kind"]] = doc
-    return docs
+    assert set(kustomization["resources"]) == on_disk, "kustomization.yaml must list every manifest"
+    component = yaml.safe_load((PROMETHEUS_OPERATOR / "kustomization.yaml").read_text())
+    on_disk = {p.name for p in PROMETHEUS_OPERATOR.glob("*.y*ml")} - {"kustomization.yaml"}
+    assert component["kind"] == "Component" and set(component["resources"]) == on_disk
 
 
 def pod_spec() -> dict[str, Any]:
@@ -375,11 +433,20 @@ def container() -> dict[str, Any]:
 
 def embedded_toml() -> str:
     text: str = manifests()["ConfigMap"]["data"]["controllerd.toml"]
+    assert text == (KUBERNETES / "controllerd.toml").read_text(encoding="utf-8")
     return text
 
 
 @pytest.mark.parametrize(
-    "kind", ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"]
+    "kind",
+    [
+        "ConfigMap",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Service",
+        "ServiceAccount",
+        "NetworkPolicy",
+    ],
 )
 def test_manifest_validates_against_the_kubernetes_schema(kind: str) -> None:
     doc = manifests()[kind]
@@ -421,76 +488,122 @@ def env_from(spec: Mapping[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in spec.get("env", []) if "value" in e}
 
 
-def test_configmap_change_rolls_out_through_the_checksum_annotation() -> None:
-    template = manifests()["Deployment"]["spec"]["template"]
-    digest = hashlib.sha256(embedded_toml().encode()).hexdigest()
-    assert template["metadata"]["annotations"]["checksum/config"] == digest, (
-        f"controllerd.toml changed: set checksum/config in deployment.yaml to {digest}"
+def test_a_config_change_renames_the_configmap_so_the_deployment_rolls_out(
+    tmp_path: Path,
+) -> None:
+    """kustomize's configMapGenerator: the name carries a hash of controllerd.toml."""
+    (volume,) = [v for v in pod_spec()["volumes"] if v["name"] == "config"]
+    name = manifests()["ConfigMap"]["metadata"]["name"]
+    assert volume["configMap"]["name"] == name and name.startswith("controllerd-config-")
+    edited = tmp_path / "kubernetes"
+    shutil.copytree(KUBERNETES, edited)
+    toml = edited / "controllerd.toml"
+    toml.write_text(toml.read_text(encoding="utf-8").replace('"info"', '"debug"'), "utf-8")
+    after = by_kind(kustomize(edited))
+    renamed = after["ConfigMap"]["metadata"]["name"]
+    assert renamed != name and renamed.startswith("controllerd-config-")
+    (volume,) = [
+        v
+        for v in after["Deployment"]["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "config"
+    ]
+    assert volume["configMap"]["name"] == renamed
+    assert "checksum/config" not in (
+        manifests()["Deployment"]["spec"]["template"]["metadata"].get("annotations") or {}
     )
 
 
-def test_container_runs_the_image_command_with_mounted_config_and_secrets() -> None:
-    spec = container()
-    assert spec.get("command") is None, "keep the image's tini entrypoint"
-    assert spec["args"] == RUN_ARGS
-    mounts = {m["name"]: m for m in spec["volumeMounts"]}
-    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
-    config_mount = mounts["config"]
-    assert "subPath" not in config_mount, "subPath mounts never see ConfigMap updates"
-    assert Path(config_mount["mountPath"]) / "controllerd.toml" == Path(RUN_ARGS[-1])
-    assert volumes["config"]["configMap"]["name"] == manifests()["ConfigMap"]["metadata"]["name"]
-    config = config_mod.load(embedded_toml())
-    secret_dir = Path(mounts["secrets"]["mountPath"])
-    for path in (config.broker.token_file, config.etcd.password_file):
-        assert path is not None and Path(path).parent == secret_dir
-    assert {Path(p).name for p in (config.broker.token_file, config.etcd.password_file) if p} == {
-        "broker-token",
-        "etcd-password",
+def test_network_policy_admits_only_prometheus_to_the_ops_port() -> None:
+    policy = manifests()["NetworkPolicy"]["spec"]
+    labels = manifests()["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["policyTypes"] == ["Ingress"]  # egress to etcd and the broker stays open
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"port": "ops", "protocol": "TCP"}]
+    (peer,) = rule["from"]
+    assert peer["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+
+
+def test_service_monitor_and_prometheus_rule_scrape_and_alert_as_shipped(
+    tmp_path: Path,
+) -> None:
+    """The Prometheus Operator component (its CRDs are not in kubernetes-validate).
+
+    The PrometheusRule's groups must be exactly the rules file that promtool checks
+    and unit-tests below; the ServiceMonitor must select the Service and scrape its
+    ops port.
+    """
+    docs = with_prometheus_operator(tmp_path)
+    base = {k: v for k, v in docs.items() if k not in ("ServiceMonitor", "PrometheusRule")}
+    assert base == manifests()
+    monitor, rule = docs["ServiceMonitor"], docs["PrometheusRule"]
+    for doc in (monitor, rule):
+        assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        assert doc["metadata"]["name"] == "controllerd"
+        assert set(doc) == {"apiVersion", "kind", "metadata", "spec"}
+    assert rule["spec"] == yaml.safe_load(RULES.read_text(encoding="utf-8"))
+    service = manifests()["Service"]
+    assert set(monitor["spec"]) == {"selector", "endpoints"}
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint == {
+        "port": service["spec"]["ports"][0]["name"],
+        "path": "/metrics",
+        "scheme": "http",
+        "interval": "15s",
+        "scrapeTimeout": "10s",
     }
-    assert volumes["secrets"]["secret"]["secretName"] == "controllerd-secrets"
 
 
-def test_service_links_are_off_and_would_be_harmless_anyway() -> None:
-    assert pod_spec()["enableServiceLinks"] is False  # no noise in the environment
-    # What kubelet would inject for the Service named controllerd is not an override:
-    injected = {"CONTROLLERD_SERVICE_HOST": "10.0.0.1", "CONTROLLERD_PORT": "tcp://x:9464"}
-    assert config_mod.load(embedded_toml(), injected) == config_mod.load(embedded_toml())
+# --- Prometheus rules -------------------------------------------------------------
 
 
-def test_deployment_is_replicated_spread_bounded_and_unprivileged() -> None:
-    deployment = manifests()["Deployment"]
-    spec = pod_spec()
-    labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert deployment["spec"]["replicas"] == 3
-    assert spec["terminationGracePeriodSeconds"] > SHUTDOWN_DEADLINE
-    (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert term["topologyKey"] == "kubernetes.io/hostname"
-    assert term["labelSelector"]["matchLabels"].items() <= labels.items()
-    # With required anti-affinity a surge pod would need a fourth node.
-    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
-    resources = container()["resources"]
-    assert {"cpu", "memory"} <= resources["requests"].keys()
-    assert {"cpu", "memory"} <= resources["limits"].keys()
-    pod_security = spec["securityContext"]
-    assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] != 0
-    security = container()["securityContext"]
-    assert security["allowPrivilegeEscalation"] is False
-    assert security["readOnlyRootFilesystem"] is True
-    assert security["capabilities"]["drop"] == ["ALL"]
-    assert spec["automountServiceAccountToken"] is False
-    for kind in ("PodDisruptionBudget", "Service"):
-        doc = manifests()[kind]
-        selector = doc["spec"]["selector"]
-        selector = selector.get("matchLabels", selector)
-        assert selector.items() <= labels.items(), kind
-    assert manifests()["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    tool = shutil.which("promtool")
+    assert tool, "promtool missing: install Debian's prometheus package (dev.sh does)"
+    return subprocess.run(
+        [tool, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
-def test_image_user_matches_the_pod_security_context() -> None:
-    (user,) = instructions(dockerfile_stages()[-1], "USER")
-    uid, _, gid = user.args.partition(":")
-    security = pod_spec()["securityContext"]
-    assert (security["runAsUser"], security["runAsGroup"]) == (int(uid), int(gid))
+def test_promtool_accepts_the_alert_rules() -> None:
+    result = promtool("check", "rules", str(RULES))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"SUCCESS: \d+ rules found", result.stdout), result.stdout
+
+
+def test_alert_rules_pass_their_promtool_unit_tests(tmp_path: Path) -> None:
+    """``promtool test rules`` on a copy without annotations (see the test file's header)."""
+    rules = yaml.safe_load(RULES.read_text(encoding="utf-8"))
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / RULES.name).write_text(yaml.safe_dump(rules), encoding="utf-8")
+    shutil.copy(RULES_TESTS, tmp_path / RULES_TESTS.name)
+    result = promtool("test", "rules", RULES_TESTS.name, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tested = set(re.findall(r"alertname: (\w+)", RULES_TESTS.read_text(encoding="utf-8")))
+    assert tested == {r["alert"] for g in rules["groups"] for r in g["rules"]}, "untested alerts"
+
+
+def test_alert_rules_use_only_exported_metrics_and_labels() -> None:
+    exported = exported_metrics()
+    rules = yaml.safe_load(RULES.read_text(encoding="utf-8"))
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            query = parse_query(rule["expr"])
+            for selector in query.selectors:
+                assert selector.name in exported, (
+                    f"{rule['alert']}: {selector.name} is not exported"
+                )
+                own = exported[selector.name] | TARGET_LABELS
+                for matcher in selector.matchers.matchers:
+                    assert matcher.name in own, f"{rule['alert']}: no label {matcher.name}"
+            assert rule["labels"]["severity"] in ("critical", "warning")
+            assert rule["annotations"]["runbook"] == "docs/operations.md#alerts"
+            assert rule["alert"] in OPERATIONS_DOC.read_text(encoding="utf-8"), rule["alert"]
 
 
 # --- Grafana ----------------------------------------------------------------------
@@ -508,8 +621,8 @@ def exported_metrics() -> dict[str, set[str]]:
     }
     for family in metrics.registry.collect():
         suffixes = {
-            "counter": ["_total", "_created"],
-            "histogram": ["_bucket", "_sum", "_count", "_created"],
+            "counter": ["_total"],
+            "histogram": ["_bucket", "_sum", "_count"],
         }.get(family.type, [""])
         own = wrappers.get(family.name, set()) | {k for s in family.samples for k in s.labels}
         for suffix in suffixes:
@@ -563,7 +676,7 @@ def test_dashboard_queries_parse_and_use_only_exported_metrics_and_labels() -> N
                 assert matcher.name in own, f"{selector.name} has no label {matcher.name}"
         for grouping in query.groupings:
             assert set(grouping) <= available, f"grouping by unknown labels {grouping}: {expr}"
-    suffix = r"_(total|bucket|sum|count|created)$"
+    suffix = r"_(total|bucket|sum|count)$"
     shown = {re.sub(suffix, "", name) for name in used}
     ours = {re.sub(suffix, "", name) for name in exported if name.startswith("controllerd_")}
     assert ours - shown == set(), "metrics without a panel"

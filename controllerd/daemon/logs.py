@@ -9,6 +9,8 @@ them identically, so a log shipper sees one format.
 structlog's own configuration never changes between calls; only the root
 logger's level and our handler do. That makes :func:`configure_logging` safe to
 call again (SIGHUP with a new level) and keeps already-created loggers valid.
+Every call also holds the per-request loggers in :data:`QUIET` at WARNING, so
+no reconfiguration can turn probes, scrapes or broker requests into log lines.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ _SHARED: Final[list[Processor]] = [
 # Loggers that uvicorn's default dictConfig gives their own handlers and
 # propagate=False (any uvicorn.run() in the process does it): routed back to root.
 _SELF_CONFIGURED: Final = ("uvicorn", "uvicorn.error", "uvicorn.access")
+
+#: Loggers held at WARNING whatever ``[logging] level`` says, on every call:
+#: ``uvicorn.access`` logs each probe and scrape (several a second across a
+#: fleet), ``httpx``/``httpcore`` each broker admin request at INFO; the daemon
+#: logs what matters of both itself (``operation.*``, metrics). Their warnings
+#: and errors still go through.
+QUIET: Final = ("uvicorn.access", "httpx", "httpcore")
 
 
 class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -110,6 +119,8 @@ def configure_logging(
             library_logger.removeHandler(own)
         library_logger.propagate = True
         library_logger.setLevel(logging.NOTSET)
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
     logging.captureWarnings(True)
 
 
