@@ -704,6 +704,7 @@ class PulsarModel:
             60 s); None = only when the test calls it.
         autoscale_interval_seconds: run :meth:`autoscale_once` on every topic this often
             while serving; None = only when called (or on consumer registration).
+        sleep: how the timers wait; a test injects one it drives tick by tick.
     """
 
     def __init__(
@@ -722,6 +723,7 @@ class PulsarModel:
         clock_ms: Callable[[], int] | None = None,
         gc_interval_seconds: float | None = None,
         autoscale_interval_seconds: float | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.store = store
         self.keys = PulsarKeys(prefix)
@@ -738,6 +740,7 @@ class PulsarModel:
         self.clock_ms: Callable[[], int] = clock_ms or (lambda: int(time.time() * 1000))
         self.gc_interval_seconds = gc_interval_seconds
         self.autoscale_interval_seconds = autoscale_interval_seconds
+        self.sleep = sleep
         self.segment_topics: dict[tuple[TopicName, str], SegmentTopic] = {}
         self.topic_retention_minutes: dict[TopicName, int] = {}
         self.operations: list[Operation] = []
@@ -1459,11 +1462,10 @@ class PulsarModel:
             if await self.pulsar_autoscaler_active(topic):
                 await self.autoscale_once(topic)
 
-    @staticmethod
-    async def _every(seconds: float, tick: Callable[[], Awaitable[object]]) -> None:
+    async def _every(self, seconds: float, tick: Callable[[], Awaitable[object]]) -> None:
         """CTL ``scheduleAtFixedRate``/``runGcTickSafely``: a failing tick is logged, not fatal."""
         while True:
-            await asyncio.sleep(seconds)
+            await self.sleep(seconds)
             try:
                 await tick()
             except Exception as exc:  # the next tick retries, as Pulsar's does
