@@ -464,7 +464,7 @@ def migrated_metadata(
 
 
 def split_segment(md: TopicMetadata, segment_id: int, now_ms: int) -> TopicMetadata:
-    """LAY ``splitSegment`` (LAY:168-190): midpoint halves, epoch + 1, two new ids.
+    """LAY ``splitSegment``: midpoint halves (HR:75), epoch + 1 (LAY:175), two new ids.
 
     Children get half the parent's entry buckets, at least one (PIP-486). A missing or
     sealed segment is an IllegalArgumentException (LAY:168, LAY:171), never a 404/412.
@@ -498,7 +498,7 @@ def split_segment(md: TopicMetadata, segment_id: int, now_ms: int) -> TopicMetad
 
 
 def merge_segments(md: TopicMetadata, first: int, second: int, now_ms: int) -> TopicMetadata:
-    """LAY ``mergeSegments`` (LAY:205-235): one child, ``parentIds`` in request order.
+    """LAY ``mergeSegments``: one child, ``parentIds`` in request order, epoch + 1 (LAY:220).
 
     Errors are IllegalArgumentExceptions (LAY:210, 213, 216), so REST answers 500.
     """
