@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -135,7 +137,7 @@ def _raw(lay: Layout) -> dict[str, Any]:
     return json.loads(json.dumps(layout_to_json(lay)))  # type: ignore[no-any-return]
 
 
-def test_invariant_check_detects_gaps_overlaps_uncovered_and_cycles() -> None:
+def test_invariant_check_detects_gaps_overlaps_and_broken_links() -> None:
     raw = _raw(split(initial_layout(1), 0, now_ms=0))
     gap = json.loads(json.dumps(raw))
     gap["segments"]["2"]["hashRange"]["start"] = 0x8001
@@ -143,15 +145,163 @@ def test_invariant_check_detects_gaps_overlaps_uncovered_and_cycles() -> None:
     overlap = json.loads(json.dumps(raw))
     overlap["segments"]["1"]["hashRange"]["end"] = 0x8000
     assert violations(layout_from_json(overlap))
-    uncovered = json.loads(json.dumps(raw))
-    uncovered["segments"]["0"]["childIds"] = [1]
-    uncovered["segments"]["2"]["parentIds"] = []
-    assert any("not covered" in p for p in violations(layout_from_json(uncovered)))
-    dangling = json.loads(json.dumps(raw))
-    dangling["segments"]["1"]["parentIds"] = [0, 42]
-    assert any("missing parent 42" in p for p in violations(layout_from_json(dangling)))
+    one_sided = json.loads(json.dumps(raw))
+    one_sided["segments"]["0"]["childIds"] = [1]  # 2 still names 0 as its parent
+    assert any("does not list it" in p for p in violations(layout_from_json(one_sided)))
+    # A link to an id that was never handed out is corruption, not a prune.
+    never = json.loads(json.dumps(raw))
+    never["segments"]["1"]["parentIds"] = [0, 42]
+    assert any("42, which was never created" in p for p in violations(layout_from_json(never)))
     with pytest.raises(LayoutError):
-        check(layout_from_json(dangling))
+        check(layout_from_json(never))
+
+
+def pulsar_prune(layout: Layout, segment_id: int) -> Layout:
+    """Pulsar's ``SegmentLayout.pruneSegment`` (SegmentLayout.java:291-326), written out.
+
+    Any sealed segment goes, whatever its parents; its id leaves its children's
+    ``parentIds`` and its parents' ``childIds``; epoch + 1. Kept independent of
+    :func:`prune`, which refuses some of these on purpose.
+    """
+    seg = layout.segments[segment_id]
+    assert not seg.active, "Pulsar refuses to prune an active segment"
+    segments = dict(layout.segments)
+    del segments[segment_id]
+    for cid in seg.child_ids:
+        if cid in segments:
+            c = segments[cid]
+            segments[cid] = dataclasses.replace(
+                c, parent_ids=tuple(p for p in c.parent_ids if p != segment_id)
+            )
+    for pid in seg.parent_ids:
+        if pid in segments:
+            p = segments[pid]
+            segments[pid] = dataclasses.replace(
+                p, child_ids=tuple(c for c in p.child_ids if c != segment_id)
+            )
+    return dataclasses.replace(layout, epoch=layout.epoch + 1, segments=segments)
+
+
+def test_pulsar_gc_shape_from_the_compat_review_is_valid() -> None:
+    """pulsar-compat.md 2.7: 0 -> 1, 2; 1 -> 3, 4; Pulsar prunes 1 while 0 stays sealed.
+
+    The old rule called this "sealed segment 0 is not covered by its children"
+    and the view dropped the topic for good. Pulsar writes it (its GC prunes in
+    any order, ScalableTopicController.java:1224-1229), so it is valid now.
+    """
+    lay = split(split(initial_layout(1), 0, now_ms=1), 1, now_ms=2)
+    pruned = pulsar_prune(lay, 1)
+    assert violations(pruned) == []
+    assert check(pruned) is pruned
+    assert pruned.segments[0].child_ids == (2,)  # sealed, half of its range uncovered
+    assert pruned.segments[3].parent_ids == () and pruned.segments[4].parent_ids == ()
+    # The same shape as Pulsar serialises it, through the JSON parser.
+    assert violations(layout_from_json(_raw(pruned))) == []
+
+
+def _history() -> Layout:
+    """Splits, a merge and a split of the merge child: sealed 0, 1, 2, 3, 4, 7."""
+    lay = split(initial_layout(1), 0, now_ms=1)  # 1, 2
+    lay = split(lay, 1, now_ms=2)  # 3, 4
+    lay = split(lay, 2, now_ms=3)  # 5, 6
+    lay = merge(lay, 4, 5, now_ms=4)  # 7
+    return split(lay, 7, now_ms=5)  # 8, 9
+
+
+def test_every_pulsar_prune_order_leaves_a_valid_layout() -> None:
+    lay = _history()
+    sealed = sorted(s.segment_id for s in lay.segments.values() if not s.active)
+    assert sealed == [0, 1, 2, 4, 5, 7]
+    for order in itertools.permutations(sealed):
+        current = lay
+        for sid in order:
+            current = pulsar_prune(current, sid)
+            assert violations(current) == [], (order, sid, violations(current))
+        assert sorted(current.segments) == [3, 6, 8, 9]
+
+
+def test_our_prune_stays_oldest_first_on_pulsar_shapes() -> None:
+    # Pulsar pruned 1 while 0 stays (1's children 3 and 4 lost their parent).
+    lay = pulsar_prune(
+        split(split(split(initial_layout(1), 0, now_ms=1), 1, now_ms=2), 2, now_ms=3), 1
+    )
+    with pytest.raises(LayoutError) as exc:
+        prune(lay, [2])  # its parent 0 is still present: ours never orphans a path
+    assert exc.value.code == "parent-present"
+    both = prune(lay, [0, 2])
+    assert sorted(both.segments) == [3, 4, 5, 6] and violations(both) == []
+
+
+def _migrated(n: int) -> dict[str, Any]:
+    """PIP-475 ``createMigratedMetadata`` (ScalableTopicController.java:1545-1590)."""
+    size = 0x10000 // n
+    segments: dict[str, Any] = {}
+    for k in range(n):
+        segments[str(k)] = {
+            "segmentId": k,
+            "hashRange": {"start": 0, "end": 0xFFFF},
+            "state": "SEALED",
+            "parentIds": [],
+            "childIds": list(range(n, 2 * n)),
+            "createdAtEpoch": 0,
+            "sealedAtEpoch": 0,
+            "createdAtMs": 1000,
+            "sealedAtMs": 1000,
+            "legacyTopicName": f"persistent://acme/ns/orders-partition-{k}",
+            "entryBucketSplits": [],
+        }
+    for j in range(n):
+        end = 0xFFFF if j == n - 1 else j * size + size - 1
+        segments[str(n + j)] = {
+            "segmentId": n + j,
+            "hashRange": {"start": j * size, "end": end},
+            "state": "ACTIVE",
+            "parentIds": list(range(n)),
+            "childIds": [],
+            "createdAtEpoch": 0,
+            "sealedAtEpoch": -1,
+            "createdAtMs": 1000,
+            "sealedAtMs": -1,
+            "entryBucketSplits": [32768] if n == 2 else [],
+        }
+    return {"epoch": 0, "nextSegmentId": 2 * n, "segments": segments, "properties": {}}
+
+
+def test_migrated_and_rebucket_layouts_pass_and_keep_their_fields() -> None:
+    migrated = layout_from_json(_migrated(3))
+    assert violations(migrated) == []
+    assert layout_to_json(migrated)["segments"]["0"]["legacyTopicName"].endswith("partition-0")
+    for sid in (0, 1, 2):  # Pulsar may prune any legacy parent first
+        assert violations(pulsar_prune(migrated, sid)) == []
+    two = layout_to_json(layout_from_json(_migrated(2)))
+    assert two["segments"]["2"]["entryBucketSplits"] == [32768]
+    # PIP-486 rebucket (SegmentLayout.java rebucketSegment): a sealed parent with one
+    # same-range successor carrying new entry-bucket splits.
+    rebucket = _raw(initial_layout(1))
+    rebucket["segments"]["0"].update(state="SEALED", childIds=[1], sealedAtEpoch=1, sealedAtMs=5)
+    rebucket["segments"]["1"] = {
+        **rebucket["segments"]["0"],
+        "segmentId": 1,
+        "state": "ACTIVE",
+        "parentIds": [0],
+        "childIds": [],
+        "createdAtEpoch": 1,
+        "sealedAtEpoch": -1,
+        "sealedAtMs": -1,
+        "entryBucketSplits": [16384, 32768, 49152],
+    }
+    rebucket.update(epoch=1, nextSegmentId=2)
+    parsed = layout_from_json(rebucket)
+    assert violations(parsed) == []
+    assert layout_to_json(parsed)["segments"]["1"]["entryBucketSplits"] == [16384, 32768, 49152]
+
+
+def test_links_to_pruned_ids_are_read_as_pruned() -> None:
+    raw = _raw(split(initial_layout(1), 0, now_ms=0))
+    dangling = json.loads(json.dumps(raw))
+    del dangling["segments"]["0"]  # a writer that dropped only one side of the link
+    assert dangling["segments"]["1"]["parentIds"] == [0]
+    assert violations(layout_from_json(dangling)) == []
 
 
 def test_cycle_is_detected() -> None:

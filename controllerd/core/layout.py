@@ -2,16 +2,39 @@
 
 Every operation validates its preconditions, returns a *new* layout with
 ``epoch + 1`` and never mutates its input. :func:`violations` is the invariant
-check every caller runs on layouts it did not build itself:
+check every caller runs on layouts it did not build itself. It accepts every
+shape Pulsar 5 writes, because a rejected layout leaves its topic unmanaged:
 
-* active segments tile ``0..0xFFFF`` exactly;
-* every sealed segment's range is covered by its children's ranges;
-* parent/child links are mutual, reference present segments, and form a DAG.
+* every segment's range is valid and its id is below ``nextSegmentId``;
+* active segments tile ``0..0xFFFF`` exactly and have no children;
+* links between two segments that are both present are mutual, and the
+  present links form a DAG;
+* a link may name a segment that is no longer present: it was pruned. Pulsar's
+  own readers treat a missing id the same way (SegmentLayout.java
+  ``getChildren``/``getParents``/``mergeDepth`` skip it), so a reference to a
+  missing id below ``nextSegmentId`` is not an error;
+* sealed segments need *not* be covered by their children. Pulsar's GC prunes
+  drained sealed segments in any order (ScalableTopicController.java:1224-1229
+  "pruning is allowed in any order"; SegmentLayout.java:291-326
+  ``pruneSegment`` drops the pruned segment from its parents' ``childIds`` and
+  its children's ``parentIds``), so a sealed parent can stay while its child
+  is gone. Realistic: a subscription created after the parent was sealed has no
+  cursor on it (cursors go to active segments only, ScalableTopicController.java:943-947),
+  so the parent never drains while the child does.
 
-To keep the second invariant true under garbage collection, a sealed segment
-may only be pruned once none of its parents is left in the layout (oldest
-first): otherwise its parent would lose the link a reader follows to reach
-the newer segments.
+PIP-475 migrated layouts (N sealed full-range legacy parents, every child
+listing every parent) and PIP-486 rebucket rollovers (a sealed parent with one
+child of the same range) satisfy these rules; their extra fields
+(``legacyTopicName``, ``entryBucketSplits``) are kept by the JSON model.
+
+Our own GC (:func:`prune`) is stricter than Pulsar's on purpose: it prunes a
+sealed segment only together with, or after, every parent still present
+(oldest first), so every sealed segment we leave keeps its path to the active
+segments. Pulsar can prune out of order because its drain-before-assign
+ordering makes "child drained" imply "parent drained" for the subscriptions
+that read the parent; controllerd sees backlogs, not that ordering (QUEUE
+subscriptions and cursors created after a seal break the implication), so it
+keeps the conservative rule for the prunes it makes itself.
 """
 
 from __future__ import annotations
@@ -266,28 +289,17 @@ def violations(layout: Layout) -> list[str]:
         for pid in seg.parent_ids:
             parent = segs.get(pid)
             if parent is None:
-                problems.append(f"segment {sid} names missing parent {pid}")
+                problems += _never_created(layout, sid, "parent", pid)
             elif sid not in parent.child_ids:
                 problems.append(f"segment {sid} names parent {pid}, which does not list it")
         for cid in seg.child_ids:
             child = segs.get(cid)
             if child is None:
-                problems.append(f"segment {sid} names missing child {cid}")
+                problems += _never_created(layout, sid, "child", cid)
             elif sid not in child.parent_ids:
                 problems.append(f"segment {sid} names child {cid}, which does not list it")
         if seg.active and seg.child_ids:
             problems.append(f"active segment {sid} has children {list(seg.child_ids)}")
-        if not seg.active:
-            covered = r.start
-            for child in sorted(
-                (segs[c] for c in seg.child_ids if c in segs), key=lambda c: c.hash_range.start
-            ):
-                if child.hash_range.start <= covered <= child.hash_range.end:
-                    covered = child.hash_range.end + 1
-            if covered <= r.end:
-                problems.append(
-                    f"sealed segment {sid} [{r.start}, {r.end}] is not covered by its children"
-                )
     expected = HASH_MIN
     for seg in layout.active_segments():
         if seg.hash_range.start != expected:
@@ -306,6 +318,16 @@ def violations(layout: Layout) -> list[str]:
     if _has_cycle(segs):
         problems.append("parent links form a cycle")
     return problems
+
+
+def _never_created(layout: Layout, sid: int, role: str, other: int) -> list[str]:
+    """A link to an absent segment is fine (pruned) unless that id was never handed out."""
+    if 0 <= other < layout.next_segment_id:
+        return []
+    return [
+        f"segment {sid} names {role} {other}, which was never created "
+        f"(nextSegmentId {layout.next_segment_id})"
+    ]
 
 
 def _has_cycle(segments: Mapping[int, Segment]) -> bool:
