@@ -46,7 +46,7 @@ import json
 import random
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ClassVar, Final, Literal, Self
+from typing import Any, ClassVar, Final, Literal, NamedTuple, Self
 from urllib.parse import quote
 
 import anyio
@@ -54,7 +54,15 @@ import httpx
 
 from controllerd.adapters import backoff
 from controllerd.core.layout import equal_boundaries
-from controllerd.core.model import Layout, ModelError, Segment, TopicName, layout_from_json
+from controllerd.core.model import (
+    HashRange,
+    Layout,
+    ModelError,
+    Segment,
+    TopicName,
+    layout_from_json,
+)
+from controllerd.core.pulsar import rest_path_topic
 
 __all__ = [
     "BrokerBug",
@@ -64,6 +72,7 @@ __all__ = [
     "BrokerUnavailable",
     "Conflict",
     "Fenced",
+    "Known",
     "NotFound",
     "PreconditionFailed",
     "RequestHook",
@@ -219,14 +228,13 @@ def _seg(value: str | int) -> str:
     return quote(str(value), safe="")
 
 
-def _topic_path(topic: TopicName) -> str:
-    return f"{_SCALABLE}/{_seg(topic.tenant)}/{_seg(topic.namespace)}/{_seg(topic.topic)}"
+def _topic_path(topic: TopicName, local_name: str) -> str:
+    return f"{_SCALABLE}/{_seg(topic.tenant)}/{_seg(topic.namespace)}/{local_name}"
 
 
-def _segment_path(topic: TopicName, descriptor: str) -> str:
+def _segment_path(topic: TopicName, local_name: str, descriptor: str) -> str:
     return (
-        f"{_SEGMENTS}/{_seg(topic.tenant)}/{_seg(topic.namespace)}/{_seg(topic.topic)}"
-        f"/{_seg(descriptor)}"
+        f"{_SEGMENTS}/{_seg(topic.tenant)}/{_seg(topic.namespace)}/{local_name}/{_seg(descriptor)}"
     )
 
 
@@ -301,6 +309,27 @@ class BrokerClient:
             headers={"Accept": "application/json", "User-Agent": "controllerd"},
         )
 
+    def _local_name(self, topic: TopicName) -> str:
+        """The topic's name as this broker's REST paths must carry it.
+
+        Pulsar's scalable-topic endpoints never decode the path (except on create;
+        pulsar-compat 1.2), so the name goes unescaped and a name that needs
+        escaping cannot be addressed at all; the reference broker decodes, so the
+        name is percent-encoded once. Never twice: names come decoded from the view.
+        """
+        if self.profile != "pulsar":
+            return _seg(topic.topic)
+        try:
+            return rest_path_topic(topic.topic)
+        except ModelError as exc:
+            raise BrokerBug(str(exc), method="-", url=f"{_SCALABLE}/{topic}") from None
+
+    def _topic_path(self, topic: TopicName) -> str:
+        return _topic_path(topic, self._local_name(topic))
+
+    def _segment_path(self, topic: TopicName, descriptor: str) -> str:
+        return _segment_path(topic, self._local_name(topic), descriptor)
+
     def set_token(self, token: str | None) -> None:
         """Replace the bearer token (SIGHUP rotation); surrounding whitespace is dropped."""
         if token is not None:
@@ -340,7 +369,7 @@ class BrokerClient:
         await self._call(
             "create_topic",
             "PUT",
-            _topic_path(topic),
+            self._topic_path(topic),
             params={"numInitialSegments": str(num_initial_segments)},
             fencing_token=fencing_token,
         )
@@ -352,7 +381,7 @@ class BrokerClient:
         retries of a mutation and must not multiply them.
         """
         response = await self._call(
-            "get_layout", "GET", _topic_path(topic), retries=None if retry else 0
+            "get_layout", "GET", self._topic_path(topic), retries=None if retry else 0
         )
         try:
             return layout_from_json(self._json(response))
@@ -365,7 +394,7 @@ class BrokerClient:
         await self._call(
             "delete_topic",
             "DELETE",
-            _topic_path(topic),
+            self._topic_path(topic),
             params={"force": "true" if force else "false"},
             fencing_token=fencing_token,
         )
@@ -382,7 +411,7 @@ class BrokerClient:
         await self._call(
             "create_subscription",
             "PUT",
-            f"{_topic_path(topic)}/subscriptions/{_seg(subscription)}",
+            f"{self._topic_path(topic)}/subscriptions/{_seg(subscription)}",
             params={"type": type},
             fencing_token=fencing_token,
         )
@@ -393,7 +422,7 @@ class BrokerClient:
         await self._call(
             "delete_subscription",
             "DELETE",
-            f"{_topic_path(topic)}/subscriptions/{_seg(subscription)}",
+            f"{self._topic_path(topic)}/subscriptions/{_seg(subscription)}",
             fencing_token=fencing_token,
         )
 
@@ -407,8 +436,13 @@ class BrokerClient:
         *,
         fencing_token: int | None,
         fencing_key: str | None = None,
+        known: Known | None = None,
     ) -> None:
         """Split an active segment into ``len(boundaries) + 1`` children (None: 2, midpoint).
+
+        ``known``: the segment's range and the layout's ``nextSegmentId`` when the
+        caller decided, so that an applied split is recognised even after the
+        parent was pruned (Pulsar's GC prunes drained parents within its interval).
 
         Reference profile: one request with ``?boundaries=b1,b2,...`` (decimal).
 
@@ -425,14 +459,17 @@ class BrokerClient:
             raise ValueError("a split needs at least one boundary (or None for the midpoint)")
         fence = (fencing_token, fencing_key)
         if self.profile == "reference":
-            await self._split_once(topic, segment_id, bounds, fence)
+            await self._split_once(topic, segment_id, bounds, fence, known)
             return
-        await self._split_once(topic, segment_id, None, fence)
+        await self._split_once(topic, segment_id, None, fence, known)
         wanted = 2 if bounds is None else len(bounds) + 1
         if wanted == 2:
             return
         layout = await self._layout_after_split(topic, segment_id)
-        parent = layout.segments[segment_id].hash_range
+        first = layout.segments.get(segment_id)
+        if first is None and known is None:
+            return  # pruned already and we cannot tell its range: the policy re-decides
+        parent = first.hash_range if first is not None else known[0]  # type: ignore[index]
         for _ in range(wanted - 2):
             pieces = [
                 s
@@ -442,7 +479,8 @@ class BrokerClient:
             if not pieces or len(pieces) >= wanted:
                 return  # done, or someone else reshaped the range: the policy re-decides
             widest = min(pieces, key=lambda s: (-s.hash_range.width, s.segment_id))
-            await self._split_once(topic, widest.segment_id, None, fence)
+            step = Known(widest.hash_range, layout.next_segment_id)
+            await self._split_once(topic, widest.segment_id, None, fence, step)
             layout = await self._layout_after_split(topic, widest.segment_id)
 
     async def merge(
@@ -453,17 +491,18 @@ class BrokerClient:
         *,
         fencing_token: int | None,
         fencing_key: str | None = None,
+        known: Known | None = None,
     ) -> None:
-        """Merge two adjacent active segments into one."""
+        """Merge two adjacent active segments into one (``known``: their joint range)."""
 
         async def applied() -> bool:
-            return await self._merge_applied(topic, a, b)
+            return await self._merge_applied(topic, a, b, known)
 
         try:
             await self._call(
                 "merge",
                 "POST",
-                f"{_topic_path(topic)}/merge/{a}/{b}",
+                f"{self._topic_path(topic)}/merge/{a}/{b}",
                 fencing_token=fencing_token,
                 fencing_key=fencing_key,
                 reconcile=applied,
@@ -480,7 +519,7 @@ class BrokerClient:
         A 404 means the segment topic is not loaded or the cursor does not exist: GC
         must treat that as "not drained" and ask again later.
         """
-        path = f"{_segment_path(topic, descriptor)}/subscription/{_seg(subscription)}/backlog"
+        path = f"{self._segment_path(topic, descriptor)}/subscription/{_seg(subscription)}/backlog"
         response = await self._call("backlog", "GET", path, allow=frozenset({404}))
         if response.status_code == 404:
             return None
@@ -506,7 +545,7 @@ class BrokerClient:
         response = await self._call(
             "delete_segment",
             "DELETE",
-            _segment_path(topic, descriptor),
+            self._segment_path(topic, descriptor),
             params={"force": "true"},
             fencing_token=fencing_token,
             fencing_key=fencing_key,
@@ -522,17 +561,18 @@ class BrokerClient:
         segment_id: int,
         bounds: tuple[int, ...] | None,
         fence: tuple[int | None, str | None],
+        known: Known | None,
     ) -> None:
         params = None if bounds is None else {"boundaries": ",".join(str(b) for b in bounds)}
 
         async def applied() -> bool:
-            return await self._split_applied(topic, segment_id, bounds)
+            return await self._split_applied(topic, segment_id, bounds, known)
 
         try:
             await self._call(
                 "split",
                 "POST",
-                f"{_topic_path(topic)}/split/{segment_id}",
+                f"{self._topic_path(topic)}/split/{segment_id}",
                 params=params,
                 fencing_token=fence[0],
                 fencing_key=fence[1],
@@ -550,30 +590,49 @@ class BrokerClient:
             return False
 
     async def _split_applied(
-        self, topic: TopicName, segment_id: int, bounds: tuple[int, ...] | None
+        self, topic: TopicName, segment_id: int, bounds: tuple[int, ...] | None, known: Known | None
     ) -> bool:
-        """Whether the layout shows ``segment_id`` split exactly as requested."""
+        """Whether the layout shows ``segment_id`` split exactly as requested.
+
+        From the parent's links while it is there; once it was pruned, from the
+        children: segments created after ``known.next_segment_id`` that cover
+        exactly the requested pieces of ``known.hash_range``.
+        """
         layout = await self.get_layout(topic, retry=False)
         parent = layout.segments.get(segment_id)
-        if parent is None or parent.active:
+        if parent is not None:
+            if parent.active:
+                return False
+            rng = parent.hash_range
+            expected = bounds if bounds is not None else equal_boundaries(rng, 2)
+            children = _children(layout, parent)
+            if [c.hash_range.start for c in children] == [rng.start, *expected] and all(
+                c.parent_ids == (segment_id,) for c in children
+            ):
+                return True
+        if known is None:
             return False
-        rng = parent.hash_range
-        expected = bounds if bounds is not None else equal_boundaries(rng, 2)
-        children = _children(layout, parent)
-        return [c.hash_range.start for c in children] == [rng.start, *expected] and all(
-            c.parent_ids == (segment_id,) for c in children
-        )
+        rng = known.hash_range
+        cuts = bounds if bounds is not None else equal_boundaries(rng, 2)
+        pieces = zip((rng.start, *cuts), (*(c - 1 for c in cuts), rng.end), strict=True)
+        return set(pieces) <= _created_since(layout, known.next_segment_id)
 
-    async def _merge_applied(self, topic: TopicName, a: int, b: int) -> bool:
-        """Whether the layout shows ``a`` and ``b`` sealed into one common child."""
+    async def _merge_applied(self, topic: TopicName, a: int, b: int, known: Known | None) -> bool:
+        """Whether the layout shows ``a`` and ``b`` sealed into one common child
+        (or, once they were pruned, a segment created since that covers both)."""
         layout = await self.get_layout(topic, retry=False)
         first, second = layout.segments.get(a), layout.segments.get(b)
-        if first is None or second is None or first.active or second.active:
+        if first is not None and second is not None:
+            if first.active or second.active:
+                return False
+            if len(first.child_ids) == 1 and first.child_ids == second.child_ids:
+                child = layout.segments.get(first.child_ids[0])
+                if child is not None and set(child.parent_ids) == {a, b}:
+                    return True
+        if known is None:
             return False
-        if len(first.child_ids) != 1 or first.child_ids != second.child_ids:
-            return False
-        child = layout.segments.get(first.child_ids[0])
-        return child is not None and set(child.parent_ids) == {a, b}
+        rng = known.hash_range
+        return (rng.start, rng.end) in _created_since(layout, known.next_segment_id)
 
     async def _layout_after_split(self, topic: TopicName, segment_id: int) -> Layout:
         """Read the layout until it shows ``segment_id`` sealed.
@@ -584,14 +643,14 @@ class BrokerClient:
         for attempt in range(self._max_retries + 1):
             layout = await self.get_layout(topic)
             seg = layout.segments.get(segment_id)
-            if seg is not None and not seg.active:
+            if seg is None or not seg.active:  # sealed, or already pruned by Pulsar's GC
                 return layout
             if attempt < self._max_retries:
                 await self._sleep(self._backoff(attempt))
         raise BrokerUnavailable(
             f"layout still shows segment {segment_id} active after it was split",
             method="GET",
-            url=_safe(self._client.base_url.join(_topic_path(topic).lstrip("/"))),
+            url=_safe(self._client.base_url.join(self._topic_path(topic).lstrip("/"))),
         )
 
     # --- transport ----------------------------------------------------------------
@@ -775,6 +834,26 @@ class BrokerClient:
             status=response.status_code,
             body=self._body(response),
         )
+
+
+class Known(NamedTuple):
+    """What the caller knew when it decided: the range at stake and ``nextSegmentId``.
+
+    Segments with an id at or above it were created after the decision, which is
+    how an applied operation is recognised once Pulsar's GC pruned its parents.
+    """
+
+    hash_range: HashRange
+    next_segment_id: int
+
+
+def _created_since(layout: Layout, next_segment_id: int) -> set[tuple[int, int]]:
+    """Ranges of the segments created at or after ``next_segment_id``."""
+    return {
+        (s.hash_range.start, s.hash_range.end)
+        for s in layout.segments.values()
+        if s.segment_id >= next_segment_id
+    }
 
 
 def _children(layout: Layout, parent: Segment) -> list[Segment]:

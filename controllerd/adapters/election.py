@@ -202,6 +202,8 @@ class _Campaign:
     ttl: int
     margin: float
     lease: _Lease | None = None
+    #: The leader token we last logged standing by for (logged once per leader).
+    standing_by: int = 0
 
     async def _fresh_lease(self) -> _Lease:
         if self.lease is not None:
@@ -243,13 +245,15 @@ class _Campaign:
             if holder is None:
                 why = "key-vanished"
                 continue
-            log.info(
-                "election.standby",
-                key=self.key,
-                leader=_identity(holder.value),
-                leader_token=holder.create_revision,
-                lease=lease.id,
-            )
+            if holder.create_revision != self.standing_by:
+                self.standing_by = holder.create_revision
+                log.info(
+                    "election.standby",
+                    key=self.key,
+                    leader=_identity(holder.value),
+                    leader_token=holder.create_revision,
+                    lease=lease.id,
+                )
             why = await self._wait_for_vacancy(lease, result.revision + 1)
 
     async def _wait_for_vacancy(self, lease: _Lease, from_revision: int) -> str:

@@ -14,12 +14,17 @@ rejected has no layout (nothing acts on it) until a valid one arrives; a
 rejected load record leaves the segment without load (never cold, never hot);
 a rejected cooldown falls back to the one seeded from the layout.
 
+Topic names appear in keys as Pulsar writes them, ``Codec.encode``-d (URL
+encoding), and are decoded exactly once when a key is read, so a name like
+``orders:eu`` is never encoded twice on its way to a REST path.
+
 Keys (DESIGN §3), ``M`` = metadata prefix, ``C`` = controller root::
 
     M/topics/<t>/<ns>/<topic>                                  layout JSON
     M/topics/<t>/<ns>/<topic>/subscriptions/<sub>              {"type": ...}
     M/topics/<t>/<ns>/<topic>/subscriptions/<sub>/consumers/<c> registration
     M/topics/<t>/<ns>/<topic>/segments/<id>/load               load record
+    M/admin/policies/<t>/<ns>                                  Pulsar namespace policies
     C/leader  C/cooldowns/<topic>  C/policies/<t>[/<ns>[/<topic>]]
     C/cold-since/<topic>/<id>  C/pending-deletes/<topic>/<descriptor>
     C/members/<replica>  C/shards/<nnnn>                       (sharded mode)
@@ -46,6 +51,13 @@ from controllerd.core.model import (
     layout_from_json,
     load_sample_from_json,
 )
+from controllerd.core.pulsar import (
+    NAMESPACE_POLICIES_ROOT,
+    NamespacePolicies,
+    encode_topic_name,
+    parse_namespace_policies,
+    topic_from_key,
+)
 
 ChangeKind = Literal[
     "layout",
@@ -67,6 +79,8 @@ KEY_KINDS: Final = (
     "cooldown",
     "cold_since",
     "pending_delete",
+    "pulsar_policy",
+    "member",
     "other",
 )
 """Label values of the rejection counter: every kind of key we parse."""
@@ -89,8 +103,13 @@ class Keys:
     def topics_prefix(self) -> str:
         return f"{self.metadata_prefix}/topics/"
 
+    @property
+    def pulsar_policies_prefix(self) -> str:
+        """Pulsar's namespace policies (``Policies`` records), beside its topics."""
+        return f"{self.metadata_prefix}{NAMESPACE_POLICIES_ROOT}/"
+
     def layout(self, topic: TopicName) -> str:
-        return f"{self.topics_prefix}{topic.path}"
+        return f"{self.topics_prefix}{key_path(topic)}"
 
     def subscription(self, topic: TopicName, sub: str) -> str:
         return f"{self.layout(topic)}/subscriptions/{sub}"
@@ -110,24 +129,24 @@ class Keys:
         return f"{self.controller_root}/"
 
     def cooldown(self, topic: TopicName) -> str:
-        return f"{self.controller_root}/cooldowns/{topic.path}"
+        return f"{self.controller_root}/cooldowns/{key_path(topic)}"
 
     def policy(self, tenant: str, namespace: str | None = None, topic: str | None = None) -> str:
         """Our override for a tenant, a namespace or (with ``topic``) one topic."""
         suffix = f"/{namespace}" if namespace else ""
         if topic:
-            suffix += f"/{topic}"
+            suffix += f"/{encode_topic_name(topic)}"
         return f"{self.controller_root}/policies/{tenant}{suffix}"
 
     def cold_since(self, topic: TopicName, segment_id: int) -> str:
-        return f"{self.controller_root}/cold-since/{topic.path}/{segment_id}"
+        return f"{self.controller_root}/cold-since/{key_path(topic)}/{segment_id}"
 
     @property
     def pending_deletes_prefix(self) -> str:
         return f"{self.controller_root}/pending-deletes/"
 
     def pending_delete(self, topic: TopicName, descriptor: str) -> str:
-        return f"{self.pending_deletes_prefix}{topic.path}/{descriptor}"
+        return f"{self.pending_deletes_prefix}{key_path(topic)}/{descriptor}"
 
     @property
     def members_prefix(self) -> str:
@@ -143,6 +162,11 @@ class Keys:
     def shard(self, name: str) -> str:
         """The leader key of one shard (``name``: see ``core.shards.shard_name``)."""
         return f"{self.shards_prefix}{name}"
+
+
+def key_path(topic: TopicName) -> str:
+    """``tenant/namespace/<encoded topic>``: a topic as every key names it."""
+    return f"{topic.tenant}/{topic.namespace}/{encode_topic_name(topic.topic)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,10 +429,13 @@ class MetadataView:
         self.topics: dict[TopicName, TopicState] = {}
         self.overrides: dict[tuple[str, str | None, str | None], Mapping[str, Any]] = {}
         self.pending_deletes: dict[str, PendingDelete] = {}
+        #: Pulsar's namespace policies (auto-scale override, retention), by (tenant, ns).
+        self.pulsar_namespaces: dict[tuple[str, str], NamespacePolicies] = {}
         #: Bumped on every override change, so cached resolved policies expire.
         self.overrides_generation = 0
         self._topics_prefix = keys.topics_prefix
         self._controller_prefix = keys.controller_prefix
+        self._pulsar_policies_prefix = keys.pulsar_policies_prefix
 
     def topic(self, name: TopicName) -> TopicState:
         state = self.topics.get(name)
@@ -446,6 +473,9 @@ class MetadataView:
                 held.extend(k.cold_since(name, sid) for sid in state.cold_since)
             held.extend(k.policy(t, ns, topic) for t, ns, topic in self.overrides)
             held.extend(self.pending_deletes)
+        root = self.keys.pulsar_policies_prefix
+        if root.startswith(prefix) or prefix.startswith(root):
+            held.extend(f"{root}{t}/{ns}" for t, ns in self.pulsar_namespaces)
         return [key for key in held if key.startswith(prefix)]
 
     # -- the parsing boundary -------------------------------------------------------------
@@ -457,6 +487,8 @@ class MetadataView:
                 return self._put_metadata(key, value, mod_revision, now_ms)
             if key.startswith(self._controller_prefix):
                 return self._put_controller(key, value)
+            if key.startswith(self._pulsar_policies_prefix):
+                return self._put_pulsar_policies(key, value)
         except Exception as exc:  # the boundary: any failure is a rejection
             kind = self.kind_of(key)
             if kind == "layout":
@@ -475,6 +507,8 @@ class MetadataView:
                 return self._delete_metadata(key)
             if key.startswith(self._controller_prefix):
                 return self._delete_controller(key)
+            if key.startswith(self._pulsar_policies_prefix):
+                return self._delete_pulsar_policies(key)
         except Exception as exc:  # the boundary, as for puts
             return Rejected(key, self.kind_of(key), _reason(exc))
         return None
@@ -493,6 +527,8 @@ class MetadataView:
             if rest[0] == "subscriptions":
                 return "consumer" if len(rest) == 4 else "subscription"
             return "other"
+        if key.startswith(self._pulsar_policies_prefix):
+            return "pulsar_policy"
         parts = key[len(self._controller_prefix) :].split("/", 1)
         return {
             "policies": "policy",
@@ -508,7 +544,7 @@ class MetadataView:
         if len(parts) < 3:
             return None
         try:
-            return TopicName(parts[0], parts[1], parts[2]), parts[3:]
+            return topic_from_key(parts[0], parts[1], parts[2]), parts[3:]
         except ModelError:
             return None
 
@@ -614,11 +650,11 @@ class MetadataView:
                 self.overrides_generation += 1
                 return Change("policy", None, True)
             case ["cooldowns", t, n, topic]:
-                name = TopicName(t, n, topic)
+                name = topic_from_key(t, n, topic)
                 self.topic(name).cooldown = parse_cooldown(parse_json(value))
                 return Change("cooldown", name, False)
             case ["cold-since", t, n, topic, sid]:
-                name = TopicName(t, n, topic)
+                name = topic_from_key(t, n, topic)
                 since = _long(parse_json(value), "cold-since")
                 if since < 0:
                     raise ModelError(f"cold-since: must be >= 0, got {since}")
@@ -626,7 +662,7 @@ class MetadataView:
                 return Change("cold", name, False)
             case ["pending-deletes", t, n, topic, descriptor]:
                 marker = parse_pending_delete(parse_json(value))
-                if marker.topic != TopicName(t, n, topic) or marker.descriptor != descriptor:
+                if marker.topic != topic_from_key(t, n, topic) or marker.descriptor != descriptor:
                     raise ModelError(
                         f"pending delete for {marker.topic} {marker.descriptor} "
                         "is stored under another key"
@@ -638,7 +674,7 @@ class MetadataView:
     def _drop_controller_value(self, key: str) -> None:
         match self._controller_parts(key):
             case ["cooldowns", t, n, topic]:
-                state = self.topics.get(TopicName(t, n, topic))
+                state = self.topics.get(topic_from_key(t, n, topic))
                 if state is not None:
                     state.cooldown = None
 
@@ -649,23 +685,45 @@ class MetadataView:
                 self.overrides_generation += 1
                 return Change("policy", None, True)
             case ["cooldowns", t, n, topic]:
-                state = self.topics.get(TopicName(t, n, topic))
+                state = self.topics.get(topic_from_key(t, n, topic))
                 if state is not None:
                     state.cooldown = None
-                return Change("cooldown", TopicName(t, n, topic), False)
+                return Change("cooldown", topic_from_key(t, n, topic), False)
             case ["cold-since", t, n, topic, sid]:
-                state = self.topics.get(TopicName(t, n, topic))
+                state = self.topics.get(topic_from_key(t, n, topic))
                 if state is not None:
                     state.cold_since.pop(_segment_id(sid), None)
-                return Change("cold", TopicName(t, n, topic), False)
+                return Change("cold", topic_from_key(t, n, topic), False)
             case ["pending-deletes", *_]:
                 marker = self.pending_deletes.pop(key, None)
                 return Change("pending-delete", marker.topic if marker else None, False)
         return None
 
+    # -- Pulsar's namespace policies --------------------------------------------------------
+
+    def _put_pulsar_policies(self, key: str, value: bytes) -> Outcome:
+        parts = key[len(self._pulsar_policies_prefix) :].split("/")
+        if len(parts) != 2 or not all(parts):
+            return None  # tenant records and deeper keys share the root
+        self.pulsar_namespaces[(parts[0], parts[1])] = parse_namespace_policies(parse_json(value))
+        self.overrides_generation += 1
+        return Change("policy", None, True)
+
+    def _delete_pulsar_policies(self, key: str) -> Outcome:
+        parts = key[len(self._pulsar_policies_prefix) :].split("/")
+        if len(parts) != 2 or self.pulsar_namespaces.pop((parts[0], parts[1]), None) is None:
+            return None
+        self.overrides_generation += 1
+        return Change("policy", None, True)
+
+    def pulsar_namespace(self, topic: TopicName) -> NamespacePolicies | None:
+        return self.pulsar_namespaces.get((topic.tenant, topic.namespace))
+
 
 def _scope(tenant: str, scope: list[str]) -> tuple[str, str | None, str | None]:
-    return (tenant, scope[0] if scope else None, scope[1] if len(scope) > 1 else None)
+    if len(scope) > 1:
+        return (tenant, scope[0], topic_from_key(tenant, scope[0], scope[1]).topic)
+    return (tenant, scope[0] if scope else None, None)
 
 
 def _segment_id(text: str) -> int:

@@ -46,7 +46,7 @@ import structlog
 
 from controllerd.adapters import backoff
 from controllerd.adapters.audit import AuditSink
-from controllerd.adapters.broker import BrokerClient, BrokerError, Fenced, Unauthorized
+from controllerd.adapters.broker import BrokerClient, BrokerError, Fenced, Known, Unauthorized
 from controllerd.adapters.election import Leadership
 from controllerd.adapters.store import Compare, Delete, Put, Store, StoreError
 from controllerd.config import Config
@@ -54,8 +54,10 @@ from controllerd.core import gc
 from controllerd.core.layout import prune
 from controllerd.core.model import (
     Decision,
+    HashRange,
     LoadSample,
     Merge,
+    ModelError,
     NoAction,
     PolicySettings,
     Split,
@@ -70,6 +72,11 @@ from controllerd.core.policy import (
     inherited_cold_since,
     is_stale,
     resolve_policy,
+)
+from controllerd.core.pulsar import (
+    erased_override_keys,
+    pulsar_autoscaler_enabled,
+    pulsar_override,
 )
 from controllerd.core.shards import shard_of
 from controllerd.core.view import (
@@ -98,6 +105,11 @@ SLICE: Final = 500
 WRITE_BATCH: Final = 100
 #: Seconds our own state writes may wait to be batched.
 WRITE_DELAY: Final = 0.05
+#: Why a topic is left alone: its own ``enabled: true`` turned Pulsar's evaluator back on.
+PULSAR_OWNS: Final = (
+    "Pulsar's own auto-scaler is on for this topic (autoScalePolicy.enabled = true in the "
+    "topic or namespace policy): controllerd leaves it to Pulsar rather than fight it"
+)
 #: Follow-up reasons that wait for a cooldown to end.
 _HELD_BACK: Final = {"split-cooldown": "split", "merge-cooldown": "merge"}
 
@@ -252,6 +264,7 @@ class Controller:
         if outcome.kind == "layout" and outcome.topic is not None:
             self._layout_arrived(outcome.topic)
             self._policies.pop(outcome.topic, None)
+            self._metrics.topics.set(len(self.view.topics))
         if outcome.kind == "policy":
             self._policies.clear()
         if not outcome.trigger or not self._running:
@@ -410,11 +423,22 @@ class Controller:
         """The safety net: every topic we lead, evaluated every interval, in slices."""
         while True:
             await self._clock.sleep(self._config().autoscale.interval_seconds)
+            led = pulsar_owned = 0
             for i, topic in enumerate(list(self.view.topics)):
                 if self.leads(topic):
+                    led += 1
                     self.trigger(topic, urgent=False)
+                    state = self.view.topics.get(topic)
+                    if state is not None and self._pulsar_owns(state):
+                        pulsar_owned += 1
                 if i % SLICE == SLICE - 1:
                     await anyio.lowlevel.checkpoint()
+            self._metrics.topics_owned.set(led)
+            self._metrics.pulsar_autoscaler_topics.set(pulsar_owned)
+
+    def _pulsar_owns(self, state: TopicState) -> bool:
+        policy = self.resolved_policy(state)
+        return isinstance(policy, PolicyInvalid) and policy.detail == PULSAR_OWNS
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -429,15 +453,42 @@ class Controller:
         cached = self._policies.get(state.name)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        layout = state.layout
-        resolved = resolve_policy(
-            config.policy,
-            *self.view.overrides_for(state.name)[:2],
-            layout.auto_scale_policy if layout is not None else None,
-            self.view.overrides_for(state.name)[2],
-        )
+        resolved = self._resolve(config, state)
         self._policies[state.name] = (stamp, resolved)
         return resolved
+
+    def _resolve(self, config: Config, state: TopicState) -> PolicySettings | PolicyInvalid:
+        """Overrides field by field, broadest first: our tenant and namespace keys, then
+        (Pulsar) its namespace policy and the layout's ``autoScalePolicy`` as Pulsar reads
+        them, then our own per-topic key (our knobs live there, since Pulsar erases
+        unknown fields of its record; issue #11).
+
+        On Pulsar, ``enabled`` in Pulsar's records is about Pulsar's own evaluator:
+        ``true`` hands the topic to it (we stand back, never two controllers), ``false``
+        means no auto-scaling at all; either way we do not act.
+        """
+        ours = self.view.overrides_for(state.name)
+        layout_policy = state.layout.auto_scale_policy if state.layout is not None else None
+        if config.broker.profile != "pulsar":
+            return resolve_policy(config.policy, ours[0], ours[1], layout_policy, ours[2])
+        namespace = self.view.pulsar_namespace(state.name)
+        try:
+            pulsar_ns = namespace.auto_scale if namespace is not None else None
+            pulsar_topic = pulsar_override(layout_policy)
+        except ModelError as exc:
+            return PolicyInvalid(f"Pulsar's autoScalePolicy: {exc}")
+        if pulsar_autoscaler_enabled(pulsar_ns, pulsar_topic):
+            return PolicyInvalid(PULSAR_OWNS)
+        erased = erased_override_keys(layout_policy)
+        if erased:
+            log.warning(
+                "policy.keys_erased_by_pulsar",
+                topic=str(state.name),
+                keys=erased,
+                fix="put controllerd's own knobs under its own key: "
+                f"{self._keys.policy(state.name.tenant, state.name.namespace, state.name.topic)}",
+            )
+        return resolve_policy(config.policy, ours[0], ours[1], pulsar_ns, pulsar_topic, ours[2])
 
     async def evaluate(self, topic: TopicName) -> Decision | None:
         """Decide one topic and act on the decision; None when there was nothing to decide."""
@@ -464,15 +515,19 @@ class Controller:
         }
         layout = state.layout
         cooldown = state.effective_cooldown()
-        decision = decide(
-            layout,
-            loads,
-            state.consumer_counts(),
-            policy,
-            now,
-            cooldown.last_split_ms,
-            cooldown.last_merge_ms,
-        )
+        decision: Decision
+        if isinstance(policy, PolicyInvalid) and policy.detail == PULSAR_OWNS:
+            decision = NoAction("pulsar-autoscaler", PULSAR_OWNS)
+        else:
+            decision = decide(
+                layout,
+                loads,
+                state.consumer_counts(),
+                policy,
+                now,
+                cooldown.last_split_ms,
+                cooldown.last_merge_ms,
+            )
         self._count(topic, decision)
         fields = {
             "topic": str(topic),
@@ -581,6 +636,8 @@ class Controller:
         if not leadership.is_leader():
             return "not-leader"
         try:
+            layout = state.layout
+            assert layout is not None
             if isinstance(decision, Split):
                 await self._broker.split(
                     topic,
@@ -588,14 +645,22 @@ class Controller:
                     decision.boundaries,
                     fencing_token=leadership.token,
                     fencing_key=leadership.key,
+                    known=Known(
+                        layout.segments[decision.segment_id].hash_range, layout.next_segment_id
+                    ),
                 )
             else:
+                joint = HashRange(
+                    layout.segments[decision.a].hash_range.start,
+                    layout.segments[decision.b].hash_range.end,
+                )
                 await self._broker.merge(
                     topic,
                     decision.a,
                     decision.b,
                     fencing_token=leadership.token,
                     fencing_key=leadership.key,
+                    known=Known(joint, layout.next_segment_id),
                 )
         except Fenced as exc:
             self._metrics.operations.labels(op=op, outcome=exc.outcome).inc()
@@ -782,7 +847,10 @@ class Controller:
             await self.gc_round()
 
     async def _gc_topic(self, state: TopicState, leadership: Leadership) -> None:
-        layout = state.layout
+        # The layout and its revision are read together, before any await: the prune is
+        # computed on this layout, so it must apply only if it is still the stored one
+        # (a split or merge landing during the backlog calls must not be overwritten).
+        layout, revision = state.layout, state.layout_revision
         assert layout is not None
         topic, now = state.name, self._clock.now_ms()
         retention = gc.resolve_retention(
@@ -835,7 +903,7 @@ class Controller:
         ]
         result = await self._store.txn(
             [
-                Compare.mod_revision(self._keys.layout(topic), state.layout_revision),
+                Compare.mod_revision(self._keys.layout(topic), revision),
                 leadership.fenced(),
             ],
             [Put(self._keys.layout(topic), orjson.dumps(layout_to_json(pruned))), *markers],

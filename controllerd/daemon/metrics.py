@@ -65,6 +65,7 @@ DECISION_REASONS: Final[Mapping[str, tuple[str, ...]]] = {
         "max-segments",
         "min-split-width",
         "consumers",
+        "pulsar-autoscaler",
     ),
 }
 #: ``controllerd_operations_total``: the operations and the outcomes of

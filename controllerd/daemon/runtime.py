@@ -52,7 +52,7 @@ from controllerd.daemon.follower import Follower
 from controllerd.daemon.logs import configure_logging
 from controllerd.daemon.metrics import Metrics
 from controllerd.daemon.ops import make_ops_app, serve_ops
-from controllerd.errors import EXIT_OK, EXIT_SOFTWARE, EXIT_UNAVAILABLE, EXIT_USAGE, OperatorError
+from controllerd.errors import EXIT_OK, EXIT_SOFTWARE, EXIT_UNAVAILABLE, OperatorError
 
 log = structlog.get_logger("controllerd.daemon.runtime")
 
@@ -235,11 +235,26 @@ class Daemon:
             return
         first_ready = reason is None and (self._reported is None or not self._reported[0])
         self._reported = state
-        self.metrics.ready_gauge.set(1 if reason is None else 0)
+        self.metrics.set_readiness(self._reason_code(reason))
         sdnotify.status(reason or self._role())
         if first_ready:
             sdnotify.ready()
         log.info("daemon.readiness", ready=reason is None, reason=reason or self._role())
+
+    def _reason_code(self, reason: str | None) -> str | None:
+        """The ``controllerd_not_ready_reason`` label of a reason (a closed set)."""
+        if reason is None:
+            return None
+        for prefix, code in (
+            ("stopping", "stopping"),
+            ("etcd unreachable", "etcd-unreachable"),
+            ("loading", "loading"),
+            ("not campaigning", "not-campaigning"),
+            ("the broker refuses", "broker-auth"),
+        ):
+            if reason.startswith(prefix):
+                return code
+        return "other"
 
     def _role(self) -> str:
         token = self._leadership_token()
@@ -350,7 +365,11 @@ class Daemon:
         follower = Follower(
             store,
             view,
-            [self.keys.topics_prefix, self.keys.controller_prefix],
+            [
+                self.keys.topics_prefix,
+                self.keys.controller_prefix,
+                self.keys.pulsar_policies_prefix,
+            ],
             controller.note,
             self.clock,
         )
@@ -478,7 +497,7 @@ class Daemon:
             await anyio.sleep(LOOP_TICK)
             stall = time.monotonic() - before - LOOP_TICK
             self._max_stall = max(self._max_stall, stall)
-            self.metrics.loop_stall.observe(max(0.0, stall))
+            self.metrics.event_loop_lag.observe(max(0.0, stall))
             if stall > 0.1:
                 log.warning("loop.stalled", seconds=round(stall, 3))
 
@@ -571,20 +590,4 @@ async def run(config_path: str, env: Mapping[str, str]) -> int:
         raise group.exceptions[0] from None
 
 
-async def show_status(config_path: str, env: Mapping[str, str]) -> Mapping[str, Any] | None:
-    """Who leads the cluster and with which fencing token (``controllerd status``)."""
-    cfg = config_mod.load_file(config_path, env)
-    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
-    try:
-        async with open_configured_store(cfg.etcd) as store:
-            leader = await current_leader(store, keys.leader)
-    except StoreError as exc:
-        raise OperatorError(
-            f"etcd did not answer: {exc}", exit_code=EXIT_UNAVAILABLE, setting="etcd.endpoints"
-        ) from None
-    if leader is None:
-        return None
-    return {"cluster": cfg.cluster.name, "leader": dict(leader[0]), "fencing_token": leader[1]}
-
-
-__all__ = ["EXIT_USAGE", "SHUTDOWN_DEADLINE", "Daemon", "run", "show_status"]
+__all__ = ["SHUTDOWN_DEADLINE", "Daemon", "run"]

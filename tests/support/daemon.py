@@ -31,12 +31,16 @@ def write_config(
     extra: str = "",
     profile: str = "reference",
     lease_ttl: int = 2,
+    metadata_prefix: str | None = None,
+    token_file: Path | None = None,
 ) -> Path:
+    metadata = f"{prefix}pulsar" if metadata_prefix is None else metadata_prefix
+    token = f'token_file = "{token_file}"' if token_file is not None else ""
     path.write_text(
         f"""
 [etcd]
 endpoints = ["{etcd}"]
-metadata_prefix = "{prefix}pulsar"
+metadata_prefix = "{metadata}"
 controller_prefix = "{prefix}controllerd"
 [election]
 lease_ttl_seconds = {lease_ttl}
@@ -45,6 +49,7 @@ admin_url = "{broker_url}"
 profile = "{profile}"
 timeout_seconds = 2
 max_retries = 1
+{token}
 [http]
 listen = "127.0.0.1:{port}"
 [logging]

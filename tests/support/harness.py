@@ -183,7 +183,11 @@ async def open_harness(
             replica=replica,
         )
         follower = Follower(
-            store, view, [keys.topics_prefix, keys.controller_prefix], controller.note, clock
+            store,
+            view,
+            [keys.topics_prefix, keys.controller_prefix, keys.pulsar_policies_prefix],
+            controller.note,
+            clock,
         )
         harness = Harness(cfg, keys, store, state, broker, clock, metrics, leadership, controller)
         box.append(harness)
