@@ -1,8 +1,11 @@
 """The reference broker's client library against real etcd and a real tansu Kafka.
 
 No broker server runs: :class:`SimBroker` does what docs/reference-broker.md says
-the broker does (create the segment topics, write the layout, write each sealed
-parent's ``seal`` key), step by step, so a test can stop between the steps.
+the broker does (create the segment topics, put the ``sealing`` intent, read the
+sealed parents' end offsets, write the layout with every ``seal`` key and drop
+the intent in one transaction), step by step, so a test can stop between the
+steps. ``write_layout`` and ``seal`` on their own are the older, non-atomic
+order (layout, then seal), which the client still copes with.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from anyio.abc import TaskStatus
 
-from controllerd.adapters.store import Store
+from controllerd.adapters.store import Compare, Delete, Put, Store
 from controllerd.core.layout import initial_layout, merge, split
 from controllerd.core.model import (
     HashRange,
@@ -46,6 +49,7 @@ from controllerd.refbroker.naming import (
     check_name_part,
     key_hash,
     seal_key,
+    sealing_key,
     segment_topic,
     subscription_group,
 )
@@ -123,14 +127,54 @@ class SimBroker:
             seal_key(self.keys, self.topic, sid), json.dumps({"endOffset": end}).encode()
         )
 
+    async def begin_seal(self, sids: list[int]) -> int:
+        """Atomic step 2: the ``sealing`` intent on a lease; returns the lease."""
+        lease, _ = await self.store.grant_lease(30)
+        await self.store.put(
+            sealing_key(self.keys, self.topic),
+            json.dumps({"segments": sids}).encode(),
+            lease=lease,
+        )
+        return lease
+
+    async def commit_seal(self, layout: Layout, ends: dict[int, int]) -> None:
+        """Atomic step 4: layout, every seal key and the end of the intent, one transaction."""
+        new = [s for sid, s in layout.segments.items() if sid not in self.layout.segments]
+        if new:
+            await self.admin.create_topics(
+                [NewTopic(segment_topic(self.topic, s.descriptor), 1, 1) for s in new]
+            )
+        key = self.keys.layout(self.topic)
+        current = await self.store.get(key)
+        assert current is not None
+        result = await self.store.txn(
+            [Compare.mod_revision(key, current.mod_revision)],
+            [
+                Put(key, json.dumps(layout_to_json(layout)).encode()),
+                *(
+                    Put(seal_key(self.keys, self.topic, sid), json.dumps({"endOffset": e}).encode())
+                    for sid, e in ends.items()
+                ),
+                Delete(sealing_key(self.keys, self.topic)),
+            ],
+        )
+        assert result.succeeded
+        self.layout = layout
+
+    async def seal_atomically(self, layout: Layout, sids: list[int]) -> None:
+        """What the broker does: intent, end offsets read after it, one transaction."""
+        lease = await self.begin_seal(sids)
+        try:
+            ends = {sid: await self.end_offset(sid) for sid in sids}
+            await self.commit_seal(layout, ends)
+        finally:
+            await self.store.revoke_lease(lease)
+
     async def split(self, sid: int) -> None:
-        await self.write_layout(split(self.layout, sid, now_ms=1))
-        await self.seal(sid)
+        await self.seal_atomically(split(self.layout, sid, now_ms=1), [sid])
 
     async def merge(self, a: int, b: int) -> None:
-        await self.write_layout(merge(self.layout, a, b, now_ms=2))
-        await self.seal(a)
-        await self.seal(b)
+        await self.seal_atomically(merge(self.layout, a, b, now_ms=2), [a, b])
 
     async def records(self, sid: int) -> list[Any]:
         """Every record of a segment's topic, in offset order."""
@@ -415,3 +459,112 @@ async def test_two_consumers_share_segments_and_hand_over(
 
     assert per_key(delivered()) == {n.encode(): [0, 1, 2, 3, 4] for n in names}
     assert Counter((m.segment_id, m.offset) for m in delivered()).most_common(1)[0][1] == 1
+
+
+# --- the sealing intent --------------------------------------------------------------------
+
+
+async def test_consumer_holds_back_a_segment_while_it_is_being_sealed(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    names = [f"k{i}" for i in range(10)]
+    async with (
+        sim_broker(store, etcd_prefix, kafka_broker, 1) as sim,
+        open_producer(store, sim.keys, kafka_broker, sim.topic) as producer,
+        open_consumer(store, sim.keys, kafka_broker, sim.topic, "s", "c") as consumer,
+    ):
+        got: list[Message] = []
+
+        async def consume() -> None:
+            async for message in consumer.messages():
+                got.append(message)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                for name in names:
+                    await producer.send(*kv(name, 0))  # offsets 0..9
+                await eventually(lambda: len(got) == 10)
+                lease = await sim.begin_seal([0])
+                # The layout still shows 0 active, and a producer may still write to it:
+                # the broker reads the end only after the intent. Nothing of it is
+                # delivered until the seal says where the segment ends.
+                for name in names:
+                    await producer.send(*kv(name, 1))  # offsets 10..19
+                with anyio.move_on_after(0.5):
+                    await eventually(lambda: len(got) > 10)
+                assert len(got) == 10
+                # The broker read the end as 15: 15..19 landed after its read.
+                await sim.commit_seal(split(sim.layout, 0, now_ms=1), {0: 15})
+                await store.revoke_lease(lease)
+                await eventually(lambda: len(got) == 20)
+                with anyio.move_on_after(0.3):
+                    await eventually(lambda: len(got) > 20)
+                tg.cancel_scope.cancel()
+    assert [m.offset for m in got if m.segment_id == 0] == list(range(15))
+    assert per_key(got) == {n.encode(): [0, 1] for n in names}  # once each, in order
+    assert producer.stats[0].resent == 5
+
+
+async def test_consumer_resumes_when_an_abandoned_intent_expires(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    async with (
+        sim_broker(store, etcd_prefix, kafka_broker, 1) as sim,
+        open_producer(store, sim.keys, kafka_broker, sim.topic) as producer,
+        open_consumer(store, sim.keys, kafka_broker, sim.topic, "s", "c") as consumer,
+    ):
+        got: list[Message] = []
+
+        async def consume() -> None:
+            async for message in consumer.messages():
+                got.append(message)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                lease = await sim.begin_seal([0])
+                for i in range(5):
+                    await producer.send(*kv(f"k{i}", 0))
+                with anyio.move_on_after(0.5):
+                    await eventually(lambda: len(got) > 0)
+                assert got == []
+                await store.revoke_lease(lease)  # the broker died: its lease ends the intent
+                await eventually(lambda: len(got) == 5)
+                tg.cancel_scope.cancel()
+    assert [m.offset for m in got] == list(range(5))
+
+
+async def test_producer_forgets_nothing_of_a_segment_being_sealed(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    names = [f"k{i}" for i in range(10)]
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+            for name in names:
+                await producer.send(*kv(name, 0))
+            lease = await sim.begin_seal([0])
+            flushed = anyio.Event()
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+
+                    async def flush() -> None:
+                        await producer.flush()
+                        flushed.set()
+
+                    tg.start_soon(flush)
+                    # While the intent stands a seal may come at any offset: keep everything.
+                    with anyio.move_on_after(0.5):
+                        await flushed.wait()
+                    assert not flushed.is_set()
+                    assert producer.retained == 10
+                    await sim.commit_seal(split(sim.layout, 0, now_ms=1), {0: 6})
+                    await flushed.wait()
+            await store.revoke_lease(lease)
+            assert producer.stats[0].resent == 4
+            assert producer.retained == 0
+        for child in (1, 2):
+            rng = sim.layout.segments[child].hash_range
+            mine = [n for n in names if rng.start <= key_hash(n.encode()) <= rng.end]
+            resent = [kv(n, 0)[1] for n in mine if int(n[1:]) >= 6]
+            assert [r.value for r in await sim.records(child)] == resent
