@@ -67,6 +67,8 @@ class KafkaBackend:
     """Segment topics in Kafka. Methods are safe to call concurrently."""
 
     def __init__(self, admin: AIOKafkaAdminClient, reader: AIOKafkaConsumer) -> None:
+        # aiokafka logs every assignment at info; the reader assigns twice per call.
+        logging.getLogger("aiokafka.consumer.subscription_state").setLevel(logging.WARNING)
         self._admin = admin
         self._reader = reader
         self._lock = anyio.Lock()  # the reader serves one topic at a time

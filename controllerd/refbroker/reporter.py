@@ -195,10 +195,11 @@ class LoadReporter:
         ident = (topic, sid)
         name = segment_topic(topic, seg.descriptor)
         end = await self._kafka.end_offset(name)
+        at = self._clock.monotonic()  # paired with the end offset: a short window needs it
         consumed = 0
         for sub in subs:
             consumed += await self._kafka.committed(subscription_group(topic, sub), name) or 0
-        reading = _Reading(end, consumed, self._clock.monotonic())
+        reading = _Reading(end, consumed, at)
         previous = self._readings.get(ident)
         self._readings[ident] = reading
         if previous is None or reading.at <= previous.at:
