@@ -45,6 +45,7 @@ from controllerd.refbroker.client import (
     open_producer,
     readable_segments,
 )
+from controllerd.refbroker.kafka import KafkaBackend, open_kafka
 from controllerd.refbroker.naming import (
     check_name_part,
     key_hash,
@@ -85,6 +86,7 @@ class SimBroker:
     bootstrap: str
     admin: Any
     reader: Any
+    kafka: KafkaBackend
     layout: Layout
 
     def kafka_topic(self, sid: int) -> str:
@@ -103,22 +105,8 @@ class SimBroker:
         )
 
     async def end_offset(self, sid: int) -> int:
-        """Offset after the segment's last record.
-
-        tansu 0.6 answers ListOffsets(latest) with the last *batch's* base offset
-        + 1, so read the record before that answer: the fetch returns its whole
-        batch (on Kafka, just that record), whose last offset + 1 is the end.
-        """
-        tp = TopicPartition(self.kafka_topic(sid), 0)
-        listed = int((await self.reader.end_offsets([tp]))[tp])
-        if listed == 0:
-            return 0
-        self.reader.assign([tp])
-        self.reader.seek(tp, listed - 1)
-        with anyio.fail_after(10):
-            while not (records := (await self.reader.getmany(tp, timeout_ms=200)).get(tp)):
-                pass
-        return int(records[-1].offset) + 1
+        """Offset after the segment's last record, read as the broker reads it."""
+        return await self.kafka.end_offset(self.kafka_topic(sid))
 
     async def seal(self, sid: int, end: int | None = None) -> None:
         """Step 3: the sealed segment's end offset (``end`` overrides what Kafka says)."""
@@ -181,13 +169,16 @@ class SimBroker:
         tp = TopicPartition(self.kafka_topic(sid), 0)
         end = await self.end_offset(sid)
         self.reader.assign([tp])
-        await self.reader.seek_to_beginning(tp)
-        out: list[Any] = []
-        with anyio.fail_after(10):
-            while len(out) < end:
-                batch = await self.reader.getmany(tp, timeout_ms=200)
-                out += batch.get(tp, [])
-        return out
+        try:
+            await self.reader.seek_to_beginning(tp)
+            out: list[Any] = []
+            with anyio.fail_after(10):
+                while len(out) < end:
+                    batch = await self.reader.getmany(tp, timeout_ms=200)
+                    out += batch.get(tp, [])
+            return out
+        finally:
+            self.reader.assign([])  # track no topic: a refresh would re-create a deleted one
 
     async def committed(self, sub: str) -> dict[int, int]:
         """The subscription group's committed offset per segment (as the broker reads it)."""
@@ -211,10 +202,11 @@ async def sim_broker(
     await admin.start()
     await reader.start()
     try:
-        empty = Layout(epoch=0, next_segment_id=0, segments={})
-        sim = SimBroker(store, keys, topic, bootstrap, admin, reader, empty)
-        await sim.write_layout(initial_layout(segments))
-        yield sim
+        async with open_kafka(bootstrap) as kafka:
+            empty = Layout(epoch=0, next_segment_id=0, segments={})
+            sim = SimBroker(store, keys, topic, bootstrap, admin, reader, kafka, empty)
+            await sim.write_layout(initial_layout(segments))
+            yield sim
     finally:
         await reader.stop()
         await admin.close()
@@ -568,3 +560,27 @@ async def test_producer_forgets_nothing_of_a_segment_being_sealed(
             mine = [n for n in names if rng.start <= key_hash(n.encode()) <= rng.end]
             resent = [kv(n, 0)[1] for n in mine if int(n[1:]) >= 6]
             assert [r.value for r in await sim.records(child)] == resent
+
+
+async def test_producer_does_not_bring_back_a_deleted_segment(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    """A producer's later metadata refresh must not name (and so re-create) a deleted parent."""
+    names = [f"k{i}" for i in range(40)]
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+
+            async def send_all(round_: int) -> set[int]:
+                return {(await producer.send(*kv(n, round_))).segment_id for n in names}
+
+            assert await send_all(0) == {0}
+            await sim.split(0)  # children 1, 2: topics the producer looks up by name
+            assert await send_all(1) == {1, 2}
+            await sim.split(1)  # children 3, 4
+            assert await send_all(2) == {3, 4, 2}
+            parents = [sim.kafka_topic(0), sim.kafka_topic(1)]
+            await sim.admin.delete_topics(parents)  # GC deleted the drained parents
+            await sim.split(2)  # children 5, 6: new topics, looked up with a metadata refresh
+            assert await send_all(3) == {3, 4, 5, 6}
+        listed = await sim.admin.list_topics()
+        assert [p for p in parents if p in listed] == []

@@ -559,6 +559,7 @@ class Producer:
             if end is None:
                 raise TopicNotFound(self._topic.path)
             del self._tracks[sid]
+            self._untrack()
             self._retained -= len(track.entries)
             resend = [e for e in track.entries if e.offset is not None and e.offset >= end]
             for entry in resend:
@@ -575,6 +576,17 @@ class Producer:
                 end_offset=end,
                 resent=len(resend),
             )
+
+    def _untrack(self) -> None:
+        """Let aiokafka name only active segments in its metadata refreshes.
+
+        It names every topic it ever sent to in each refresh, and Kafka (tansu)
+        re-creates a named topic: a sealed segment GC deleted would come back.
+        """
+        layout = self._follower.layout
+        if layout is not None:
+            active = [segment_topic(self._topic, s.descriptor) for s in layout.active_segments()]
+            self._kafka.client.set_topics(active)
 
     async def _trim(self) -> int:
         """Forget acknowledged messages of segments etcd still shows active; caller holds the gate.
