@@ -363,6 +363,7 @@ async def test_the_seal_is_written_in_the_layout_transaction(
             await ref.client.merge(topic, 0, 1, fencing_token=ref.token)
             layout_kv = await ref.store.get(ref.keys.layout(topic))
             assert layout_kv is not None
+            sealed_at = layout_kv.mod_revision
 
             def seen_layout() -> bool:
                 return any(e.key == ref.keys.layout(topic) for e in events)
@@ -376,14 +377,14 @@ async def test_the_seal_is_written_in_the_layout_transaction(
         put_intent = [e for e in events if e.key == intent and e.kind == "put"]
         assert len(put_intent) == 1
         assert json.loads(put_intent[0].value) == {"segments": [0, 1]}
-        final = [e for e in events if e.mod_revision == layout_kv.mod_revision]
+        final = [e for e in events if e.mod_revision == sealed_at]
         assert {(e.key, e.kind) for e in final} == {
             (ref.keys.layout(topic), "put"),
             *((k, "put") for k in seals),
             (intent, "delete"),
         }
         assert {e.key: json.loads(e.value)["endOffset"] for e in final if e.key in seals} == seals
-        assert put_intent[0].mod_revision < layout_kv.mod_revision  # intent first, then ends
+        assert put_intent[0].mod_revision < sealed_at  # the intent first, then the ends
         assert await ref.store.get(intent) is None
 
 

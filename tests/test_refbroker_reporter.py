@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ class Bench:
     bootstrap: str
     topic: TopicName
 
-    async def produce(self, descriptor: str, keys: list[bytes | None]) -> None:
+    async def produce(self, descriptor: str, keys: Sequence[bytes | None]) -> None:
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=5)
         await producer.start()
         try:
@@ -54,7 +54,7 @@ class Bench:
         kv = await self.store.get(self.keys.load(self.topic, segment_id))
         return None if kv is None else dict(json.loads(kv.value))
 
-    async def window(self, seconds: float, descriptor: str, keys: list[bytes | None]) -> int:
+    async def window(self, seconds: float, descriptor: str, keys: Sequence[bytes | None]) -> int:
         """``keys`` produced during a window of ``seconds``; then one pass."""
         await self.produce(descriptor, keys)
         await self.clock.advance(seconds)
@@ -116,7 +116,7 @@ async def test_a_hot_key_shows_in_its_slice(
         upper = "8000-ffff-1"
         hot = keys_in(0x8000, 0xFFFF, 1, prefix="hot")[0]
         cold = keys_in(0x8000, 0xFFFF, 50, prefix="cold")
-        skewed: list[bytes | None] = [hot] * 400 + cold * 2  # 80% on one key
+        skewed = [hot] * 400 + cold * 2  # 80% on one key
         assert await b.reporter.report_once() == 0
         assert await b.window(10.0, upper, skewed) == 2  # first records: written at once
         record = await b.record(1)
