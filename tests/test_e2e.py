@@ -114,6 +114,7 @@ async def e2e_cluster(
     *,
     count: int = 2,
     segments: int = 1,
+    report_interval: float = 0.5,
 ) -> AsyncIterator[E2E]:
     cfg_text = f'[etcd]\ncontroller_prefix = "{etcd_prefix}controllerd"\n' + E2E_CONFIG
     cfg = config_mod.load(cfg_text)
@@ -125,7 +126,7 @@ async def e2e_cluster(
         0,
         keys.metadata_prefix,
         f"{cfg.controller_root}/leader",
-        0.5,
+        report_interval,
         cfg,
     )
     async with anyio.create_task_group() as tg:
@@ -203,6 +204,38 @@ async def test_an_overload_splits_k_ways_at_once_and_keeps_key_order(
                         break
         for key, count in counters.items():
             assert delivered[key] == list(range(count)), key  # every message once, in order
+
+
+async def test_a_burst_from_light_traffic_converges_in_one_decision(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str, tmp_path: Path
+) -> None:
+    """Autoscale on throughout: the first split already has the children the load needs.
+
+    The burst starts inside a report window; that window reads a mixture of the
+    two rates, which the reporter holds back until a window lies wholly in the
+    burst (reporter.py). Were the mixture written, the first split would be
+    sized for it and a second one would follow. Reports come as often as
+    evaluations (2 s), as in the demo, so a mixture would be acted on.
+    """
+    async with e2e_cluster(
+        etcd_server, etcd_prefix, store, kafka_broker, tmp_path, report_interval=2.0
+    ) as e2e:
+        async with open_producer(store, e2e.keys, kafka_broker, TOPIC) as producer:
+            stop = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(produce, producer, 0.5 * SPLIT_MSG_RATE, 1e9, 50, None, stop)
+                await wait_until(lambda: e2e.load_at_least(0, 0.4 * SPLIT_MSG_RATE), within=20)
+                stop.set()
+            # half a report window more of light traffic: the burst starts mid-window
+            await produce(producer, 0.5 * SPLIT_MSG_RATE, 1.0)
+            stop = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(produce, producer, 3.5 * SPLIT_MSG_RATE, 1e9, 50, None, stop)
+                await wait_until(lambda: _active(e2e, 2), within=20)
+                stop.set()
+        first_split = e2e.layouts[1]
+        assert first_split.epoch == 1
+        assert len(first_split.active_segments()) == 4  # 3.5x the threshold: 4 children
 
 
 async def _active(e2e: E2E, n: int) -> bool:

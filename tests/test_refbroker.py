@@ -5,27 +5,48 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
+import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import OffsetAndMetadata
 
 from controllerd import config as config_mod
-from controllerd.adapters.broker import BrokerClient, Conflict, Fenced, NotFound, PreconditionFailed
-from controllerd.adapters.store import Store
+from controllerd.adapters.broker import (
+    BrokerBug,
+    BrokerClient,
+    BrokerUnavailable,
+    Conflict,
+    Fenced,
+    NotFound,
+    PreconditionFailed,
+)
+from controllerd.adapters.store import Store, WatchEvent
 from controllerd.core.layout import violations
+from controllerd.core.loadreport import ReportRule
 from controllerd.core.model import TopicName, layout_from_json
+from controllerd.core.shards import shard_name, shard_of
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import ManualClock
+from controllerd.daemon.ops import serve_ops
+from controllerd.refbroker.kafka import open_kafka
 from controllerd.refbroker.main import BrokerOptions, serve
-from controllerd.refbroker.naming import seal_key, segment_topic, subscription_group
+from controllerd.refbroker.naming import seal_key, sealing_key, segment_topic, subscription_group
 from controllerd.refbroker.reporter import LoadReporter
+from controllerd.refbroker.server import RefBroker, make_app
 from tests.support.etcd import EtcdServer
 
-TOPIC = TopicName("acme", "ns", "orders")
+SHARDS = 16
+
+
+def new_topic() -> TopicName:
+    """A topic of its own: the tansu broker is shared by the whole session."""
+    return TopicName("acme", "ns", f"t{uuid.uuid4().hex[:12]}")
 
 
 @dataclass
@@ -36,6 +57,9 @@ class Ref:
     kafka: str
     clock: ManualClock
     leader_key: str
+    token: int
+    url: str
+    topic: TopicName
 
     async def produce(self, descriptor: str, count: int, size: int = 100) -> None:
         producer = AIOKafkaProducer(bootstrap_servers=self.kafka)
@@ -43,7 +67,10 @@ class Ref:
         try:
             for i in range(count):
                 await producer.send_and_wait(
-                    segment_topic(TOPIC, descriptor), b"x" * (size - 2), key=b"%02d" % (i % 100)
+                    segment_topic(self.topic, descriptor),
+                    b"x" * (size - 2),
+                    key=b"%02d" % (i % 100),
+                    partition=0,
                 )
         finally:
             await producer.stop()
@@ -51,32 +78,47 @@ class Ref:
     async def commit(self, sub: str, descriptor: str, offset: int) -> None:
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.kafka,
-            group_id=subscription_group(TOPIC, sub),
+            group_id=subscription_group(self.topic, sub),
             enable_auto_commit=False,
         )
         await consumer.start()
         try:
-            tp = TopicPartition(segment_topic(TOPIC, descriptor), 0)
+            tp = TopicPartition(segment_topic(self.topic, descriptor), 0)
             consumer.assign([tp])
             await consumer.commit({tp: OffsetAndMetadata(offset, "")})
         finally:
             await consumer.stop()
 
     async def layout_in_etcd(self) -> dict[str, object]:
-        kv = await self.store.get(self.keys.layout(TOPIC))
+        kv = await self.store.get(self.keys.layout(self.topic))
         assert kv is not None
         raw: dict[str, object] = json.loads(kv.value)
         return raw
 
+    def shard_key(self, topic: TopicName) -> str:
+        return f"{self.keys.controller_root}/shards/{shard_name(shard_of(topic, SHARDS))}"
+
+
+async def elect(store: Store, key: str) -> int:
+    """Put ``key`` afresh (as a winning campaign does); its create revision is the token."""
+    await store.delete(key)
+    return await store.put(key, b'{"replica": "test"}')
+
 
 @contextlib.asynccontextmanager
 async def open_ref(
-    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    store: Store,
+    kafka_broker: str,
+    *,
+    bearer: str | None = None,
 ) -> AsyncIterator[Ref]:
     """A running reference broker (its task group lives in the test's own task)."""
     cfg = config_mod.load(f'[etcd]\ncontroller_prefix = "{etcd_prefix}controllerd"\n')
     keys = Keys(f"{etcd_prefix}pulsar", cfg.controller_root)
     leader_key = f"{cfg.controller_root}/leader"
+    token = await elect(store, leader_key)
     clock = ManualClock()
     options = BrokerOptions(
         etcd_server.endpoint,
@@ -87,13 +129,14 @@ async def open_ref(
         leader_key,
         3600.0,
         cfg,
+        token=bearer,
+        shards=SHARDS,
     )
     async with anyio.create_task_group() as tg:
         port = await tg.start(functools.partial(serve, options, clock=clock))
-        async with BrokerClient(
-            f"http://127.0.0.1:{port}", profile="reference", max_retries=0
-        ) as client:
-            yield Ref(client, store, keys, kafka_broker, clock, leader_key)
+        url = f"http://127.0.0.1:{port}"
+        async with BrokerClient(url, profile="reference", max_retries=0, token=bearer) as client:
+            yield Ref(client, store, keys, kafka_broker, clock, leader_key, token, url, new_topic())
         tg.cancel_scope.cancel()
 
 
@@ -101,83 +144,176 @@ async def test_topic_lifecycle_and_k_way_split(
     etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
 ) -> None:
     async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
-        await ref.client.create_topic(TOPIC, 2)
+        topic = ref.topic
+        await ref.client.create_topic(topic, 2)
         with pytest.raises(Conflict):
-            await ref.client.create_topic(TOPIC, 2)
-        layout = await ref.client.get_layout(TOPIC)
+            await ref.client.create_topic(topic, 2)
+        layout = await ref.client.get_layout(topic)
         assert [s.descriptor for s in layout.active_segments()] == ["0000-7fff-0", "8000-ffff-1"]
-        assert str(TOPIC) in await ref.client.list_topics("acme", "ns")  # client strips topic://
+        assert str(topic) in await ref.client.list_topics("acme", "ns")  # client strips topic://
         await ref.produce("0000-7fff-0", 5)
-        await ref.client.split(TOPIC, 0, (0x2000, 0x4000, 0x6000), fencing_token=None)
+        await ref.client.split(topic, 0, (0x2000, 0x4000, 0x6000), fencing_token=ref.token)
         stored = layout_from_json(await ref.layout_in_etcd())
         assert violations(stored) == []
         assert [s.segment_id for s in stored.active_segments()] == [2, 3, 4, 5, 1]
-        seal = await ref.store.get(seal_key(ref.keys, TOPIC, 0))
+        seal = await ref.store.get(seal_key(ref.keys, topic, 0))
         assert seal is not None and json.loads(seal.value) == {"endOffset": 5}
-        await ref.client.merge(TOPIC, 5, 1, fencing_token=None)
+        await ref.client.merge(topic, 5, 1, fencing_token=ref.token)
         stored = layout_from_json(await ref.layout_in_etcd())
         assert stored.segments[6].parent_ids == (5, 1) and stored.epoch == 2
         with pytest.raises(PreconditionFailed):
-            await ref.client.merge(TOPIC, 2, 4, fencing_token=None)  # not adjacent
+            await ref.client.merge(topic, 2, 4, fencing_token=ref.token)  # not adjacent
         with pytest.raises(NotFound):
-            await ref.client.split(TOPIC, 99, None, fencing_token=None)
-        await ref.client.delete_topic(TOPIC)
+            await ref.client.split(topic, 99, None, fencing_token=ref.token)
+        await ref.client.delete_topic(topic)
         with pytest.raises(NotFound):
-            await ref.client.get_layout(TOPIC)
+            await ref.client.get_layout(topic)
 
 
 async def test_a_stale_fencing_token_cannot_change_the_layout(
     etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
 ) -> None:
     async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
-        await ref.client.create_topic(TOPIC, 1)
-        await ref.store.put(ref.leader_key, b'{"replica": "a"}')
-        old = await ref.store.get(ref.leader_key)
-        assert old is not None
-        await ref.store.delete(ref.leader_key)
-        await ref.store.put(ref.leader_key, b'{"replica": "b"}')
-        new = await ref.store.get(ref.leader_key)
-        assert new is not None
+        await ref.client.create_topic(ref.topic, 1)
+        old = ref.token
+        new = await elect(ref.store, ref.leader_key)  # another replica won since
         with pytest.raises(Fenced):
-            await ref.client.split(TOPIC, 0, None, fencing_token=old.create_revision)
-        assert (await ref.client.get_layout(TOPIC)).epoch == 0
-        await ref.client.split(TOPIC, 0, None, fencing_token=new.create_revision)
-        assert (await ref.client.get_layout(TOPIC)).epoch == 1
+            await ref.client.split(ref.topic, 0, None, fencing_token=old)
+        assert (await ref.client.get_layout(ref.topic)).epoch == 0
+        await ref.client.split(ref.topic, 0, None, fencing_token=new)
+        assert (await ref.client.get_layout(ref.topic)).epoch == 1
+
+
+async def test_unfenced_mutations_are_refused_with_428(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 2)  # topics and subscriptions stay unfenced
+        await ref.client.create_subscription(topic, "s", "STREAM")
+        async with httpx.AsyncClient(base_url=ref.url) as http:
+            base = f"/admin/v2/scalable/{topic.tenant}/{topic.namespace}/{topic.topic}"
+            segment = f"/admin/v2/segments/{topic.tenant}/{topic.namespace}/{topic.topic}"
+            for method, path in [
+                ("POST", f"{base}/split/0"),
+                ("POST", f"{base}/merge/0/1"),
+                ("DELETE", f"{segment}/0000-7fff-0"),
+            ]:
+                response = await http.request(method, path)
+                assert response.status_code == 428, (method, path, response.text)
+                assert response.json()["code"] == "fencing-required"
+        assert (await ref.client.get_layout(topic)).epoch == 0
+        await ref.client.delete_subscription(topic, "s")
+        await ref.client.delete_topic(topic)
+
+
+async def test_bearer_token_is_required_when_configured(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    secret = uuid.uuid4().hex
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker, bearer=secret) as ref:
+        topic = ref.topic
+        path = f"/admin/v2/scalable/{topic.tenant}/{topic.namespace}/{topic.topic}"
+        async with httpx.AsyncClient(base_url=ref.url) as http:
+            missing = await http.put(path)
+            assert missing.status_code == 401
+            assert missing.json()["code"] == "unauthenticated"
+            assert missing.headers["www-authenticate"].startswith("Bearer")
+            basic = await http.put(path, headers={"Authorization": f"Basic {secret}"})
+            assert basic.status_code == 401
+            wrong = await http.put(path, headers={"Authorization": "Bearer not-the-token"})
+            assert wrong.status_code == 403 and wrong.json()["code"] == "forbidden"
+            # authentication comes before fencing: no token, no 428 hint either
+            split = await http.post(f"{path}/split/0")
+            assert split.status_code == 401
+        with pytest.raises(NotFound):
+            await ref.client.get_layout(topic)  # nothing was created by the refused PUTs
+        await ref.client.create_topic(topic, 1)  # the client library sends the token
+        await ref.client.split(topic, 0, None, fencing_token=ref.token)
+        assert (await ref.client.get_layout(topic)).epoch == 1
+        async with BrokerClient(ref.url, profile="reference", max_retries=0) as anonymous:
+            with pytest.raises(BrokerBug) as refused:
+                await anonymous.get_layout(topic)
+            assert refused.value.status == 401
+
+
+async def test_shard_fencing_keys(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic, other = ref.topic, new_topic()
+        while shard_of(other, SHARDS) == shard_of(topic, SHARDS):
+            other = new_topic()
+        await ref.client.create_topic(topic, 1)
+        own = ref.shard_key(topic)
+        own_token = await elect(ref.store, own)
+        foreign = ref.shard_key(other)
+        foreign_token = await elect(ref.store, foreign)
+        base = f"/admin/v2/scalable/{topic.tenant}/{topic.namespace}/{topic.topic}"
+
+        async def split(segment: int, key: str | None, token: int) -> httpx.Response:
+            headers = {"X-Fencing-Token": str(token)}
+            if key is not None:
+                headers["X-Fencing-Key"] = key
+            async with httpx.AsyncClient(base_url=ref.url) as http:
+                return await http.post(f"{base}/split/{segment}", headers=headers)
+
+        # another shard's key (even with its valid token) cannot fence this topic
+        refused = await split(0, foreign, foreign_token)
+        assert refused.status_code == 400 and refused.json()["code"] == "bad-fencing-key"
+        refused = await split(0, f"{ref.keys.controller_root}/cooldowns/x", own_token)
+        assert refused.status_code == 400 and refused.json()["code"] == "bad-fencing-key"
+        # the leader key's token does not hold for the shard key
+        stale = await split(0, own, ref.token)
+        assert stale.status_code == 409 and stale.json()["code"] == "fenced"
+        assert (await ref.client.get_layout(topic)).epoch == 0
+        # this topic's shard key with its token: applied
+        assert (await split(0, own, own_token)).status_code == 204
+        assert (await ref.client.get_layout(topic)).epoch == 1
+        # a new owner of the shard: the old owner's token is fenced, in the layout txn
+        new_token = await elect(ref.store, own)
+        stale = await split(1, own, own_token)
+        assert stale.status_code == 409 and stale.json()["code"] == "fenced"
+        assert (await split(1, own, new_token)).status_code == 204
+        # no X-Fencing-Key: the leader key, as before sharding
+        assert (await split(2, None, ref.token)).status_code == 204
+        assert (await ref.client.get_layout(topic)).epoch == 3
 
 
 async def test_backlog_and_delete_refuse_until_drained(
     etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
 ) -> None:
     async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
-        await ref.client.create_topic(TOPIC, 1)
-        await ref.client.create_subscription(TOPIC, "s", "STREAM")
+        topic, token = ref.topic, ref.token
+        await ref.client.create_topic(topic, 1)
+        await ref.client.create_subscription(topic, "s", "STREAM")
         await ref.produce("0000-ffff-0", 10)
-        assert await ref.client.backlog(TOPIC, "0000-ffff-0", "s") == 10
-        assert await ref.client.backlog(TOPIC, "0000-ffff-0", "nobody") is None
+        assert await ref.client.backlog(topic, "0000-ffff-0", "s") == 10
+        assert await ref.client.backlog(topic, "0000-ffff-0", "nobody") is None
         with pytest.raises(PreconditionFailed):
-            await ref.client.delete_segment(TOPIC, "0000-ffff-0", fencing_token=None)  # active
-        await ref.client.split(TOPIC, 0, None, fencing_token=None)
+            await ref.client.delete_segment(topic, "0000-ffff-0", fencing_token=token)  # active
+        await ref.client.split(topic, 0, None, fencing_token=token)
         await ref.commit("s", "0000-ffff-0", 4)
-        assert await ref.client.backlog(TOPIC, "0000-ffff-0", "s") == 6
+        assert await ref.client.backlog(topic, "0000-ffff-0", "s") == 6
         with pytest.raises(Conflict) as refused:
-            await ref.client.delete_segment(TOPIC, "0000-ffff-0", fencing_token=None)
+            await ref.client.delete_segment(topic, "0000-ffff-0", fencing_token=token)
         assert refused.value.code == "backlog"
         await ref.commit("s", "0000-ffff-0", 10)
-        assert await ref.client.delete_segment(TOPIC, "0000-ffff-0", fencing_token=None) is True
-        assert await ref.client.delete_segment(TOPIC, "0000-ffff-0", fencing_token=None) is False
-        assert await ref.store.get(seal_key(ref.keys, TOPIC, 0)) is None
+        with pytest.raises(Fenced):
+            await ref.client.delete_segment(topic, "0000-ffff-0", fencing_token=token - 1)
+        assert await ref.client.delete_segment(topic, "0000-ffff-0", fencing_token=token) is True
+        assert await ref.client.delete_segment(topic, "0000-ffff-0", fencing_token=token) is False
+        assert await ref.store.get(seal_key(ref.keys, topic, 0)) is None
 
 
 async def test_the_load_reporter_measures_rates_from_kafka(
     etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
 ) -> None:
     async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
-        await ref.client.create_topic(TOPIC, 1)
-        await ref.client.create_subscription(TOPIC, "s", "STREAM")
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        await ref.client.create_subscription(topic, "s", "STREAM")
         cfg = config_mod.Config()
-        from controllerd.core.loadreport import ReportRule
-        from controllerd.refbroker.kafka import open_kafka
-
         rule = ReportRule(cfg.policy.split_thresholds, cfg.policy.merge_thresholds)
         async with open_kafka(ref.kafka) as kafka:
             reporter = LoadReporter(ref.store, ref.keys, kafka, rule, ref.clock, 10.0)
@@ -186,7 +322,7 @@ async def test_the_load_reporter_measures_rates_from_kafka(
             await ref.commit("s", "0000-ffff-0", 20)
             await ref.clock.advance(10.0)
             assert await reporter.report_once() == 1
-            kv = await ref.store.get(ref.keys.load(TOPIC, 0))
+            kv = await ref.store.get(ref.keys.load(topic, 0))
             assert kv is not None
             record = json.loads(kv.value)
             assert record["msgRateIn"] == pytest.approx(5.0)
@@ -198,3 +334,159 @@ async def test_the_load_reporter_measures_rates_from_kafka(
             await ref.produce("0000-ffff-0", 50, size=200)
             await ref.commit("s", "0000-ffff-0", 40)
             assert await reporter.report_once() == 0
+
+
+# --- atomic seal -------------------------------------------------------------------------------
+
+
+async def test_the_seal_is_written_in_the_layout_transaction(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    """The sealed layout, every seal key and the end of the intent share one etcd revision."""
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 2)
+        await ref.produce("0000-7fff-0", 7)
+        await ref.produce("8000-ffff-1", 3)
+        start = await ref.store.get(ref.keys.layout(topic))
+        assert start is not None
+        events: list[WatchEvent] = []
+
+        async def record() -> None:
+            async for batch in ref.store.watch_prefix(
+                ref.keys.layout(topic), start.mod_revision + 1
+            ):
+                events.extend(batch)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(record)
+            await ref.client.merge(topic, 0, 1, fencing_token=ref.token)
+            layout_kv = await ref.store.get(ref.keys.layout(topic))
+            assert layout_kv is not None
+            sealed_at = layout_kv.mod_revision
+
+            def seen_layout() -> bool:
+                return any(e.key == ref.keys.layout(topic) for e in events)
+
+            with anyio.fail_after(5):
+                while not seen_layout():  # noqa: ASYNC110 - the watch is another stream
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        intent = sealing_key(ref.keys, topic)
+        seals = {seal_key(ref.keys, topic, 0): 7, seal_key(ref.keys, topic, 1): 3}
+        put_intent = [e for e in events if e.key == intent and e.kind == "put"]
+        assert len(put_intent) == 1
+        assert json.loads(put_intent[0].value) == {"segments": [0, 1]}
+        final = [e for e in events if e.mod_revision == sealed_at]
+        assert {(e.key, e.kind) for e in final} == {
+            (ref.keys.layout(topic), "put"),
+            *((k, "put") for k in seals),
+            (intent, "delete"),
+        }
+        assert {e.key: json.loads(e.value)["endOffset"] for e in final if e.key in seals} == seals
+        assert put_intent[0].mod_revision < sealed_at  # the intent first, then the ends
+        assert await ref.store.get(intent) is None
+
+
+async def test_a_failed_seal_writes_nothing(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    """Kafka fails between the intent and the layout: no sealed layout, no seal, no intent."""
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        await ref.produce("0000-ffff-0", 4)
+        before = await ref.store.get(ref.keys.layout(topic))
+        admin = AIOKafkaAdminClient(bootstrap_servers=ref.kafka)
+        await admin.start()
+        try:  # the parent's data vanishes behind the broker's back: its end cannot be read
+            await admin.delete_topics([segment_topic(topic, "0000-ffff-0")])
+        finally:
+            await admin.close()
+        async with BrokerClient(ref.url, profile="reference", max_retries=0) as client:
+            with pytest.raises(BrokerUnavailable) as failed:
+                await client.split(topic, 0, None, fencing_token=ref.token)
+        assert failed.value.status == 503
+        after = await ref.store.get(ref.keys.layout(topic))
+        assert before is not None and after is not None
+        assert after.mod_revision == before.mod_revision  # layout untouched: still active
+        assert await ref.store.get(seal_key(ref.keys, topic, 0)) is None
+        assert await ref.store.get(sealing_key(ref.keys, topic)) is None  # intent revoked
+
+
+async def test_a_seal_in_progress_elsewhere_holds_a_split_back(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    """Another broker's live intent: no second seal; once it is gone the split goes through."""
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        lease, _ = await ref.store.grant_lease(30)
+        await ref.store.put(sealing_key(ref.keys, topic), b'{"segments": [0]}', lease=lease)
+        with pytest.raises(Conflict) as refused:
+            await ref.client.split(topic, 0, None, fencing_token=ref.token)
+        assert refused.value.code == "conflict"
+        assert (await ref.client.get_layout(topic)).epoch == 0
+        await ref.store.revoke_lease(lease)  # that broker died: its lease ends the intent
+        await ref.client.split(topic, 0, None, fencing_token=ref.token)
+        assert (await ref.client.get_layout(topic)).epoch == 1
+
+
+# --- deleted stays deleted -----------------------------------------------------------------
+
+
+async def test_a_deleted_segment_is_not_recreated_by_a_metadata_refresh(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    cfg = config_mod.load(f'[etcd]\ncontroller_prefix = "{etcd_prefix}controllerd"\n')
+    keys = Keys(f"{etcd_prefix}pulsar", cfg.controller_root)
+    leader_key = f"{cfg.controller_root}/leader"
+    token = await elect(store, leader_key)
+    topic = new_topic()
+    parent = segment_topic(topic, "0000-ffff-0")
+    rule = ReportRule(cfg.policy.split_thresholds, cfg.policy.merge_thresholds)
+    clock = ManualClock()
+    async with open_kafka(kafka_broker) as kafka, anyio.create_task_group() as tg:
+        broker = RefBroker(store, keys, kafka, clock, leader_key)
+        reporter = LoadReporter(store, keys, kafka, rule, clock, 1.0)
+        port = await tg.start(serve_ops, make_app(broker), "127.0.0.1", 0)
+        async with BrokerClient(f"http://127.0.0.1:{port}", profile="reference") as client:
+            await client.create_topic(topic, 1)
+            await client.create_subscription(topic, "s", "STREAM")
+            producer = AIOKafkaProducer(bootstrap_servers=kafka_broker)
+            await producer.start()
+            try:
+                for i in range(5):
+                    await producer.send_and_wait(parent, b"v", key=b"k%d" % i, partition=0)
+            finally:
+                await producer.stop()
+            await reporter.report_once()  # measures the parent: end offset and a sample
+            await clock.advance(1.0)
+            assert await reporter.report_once() == 1
+            await client.split(topic, 0, None, fencing_token=token)  # reads the parent's end
+            assert await client.backlog(topic, "0000-ffff-0", "s") == 5
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=kafka_broker,
+                group_id=subscription_group(topic, "s"),
+                enable_auto_commit=False,
+            )
+            await consumer.start()
+            try:
+                tp = TopicPartition(parent, 0)
+                consumer.assign([tp])
+                await consumer.commit({tp: OffsetAndMetadata(5, "")})
+            finally:
+                await consumer.stop()
+            assert await client.delete_segment(topic, "0000-ffff-0", fencing_token=token)
+            await clock.advance(1.0)
+            await reporter.report_once()  # measures the children, not the deleted parent
+            await kafka.refresh_metadata()  # what the periodic refresh would do, now
+            await kafka.end_offset(segment_topic(topic, "0000-7fff-1"))  # a new topic: a forced one
+            assert not await kafka.exists(parent)
+            admin = AIOKafkaAdminClient(bootstrap_servers=kafka_broker)
+            await admin.start()
+            try:
+                assert parent not in await admin.list_topics()
+            finally:
+                await admin.close()
+        tg.cancel_scope.cancel()

@@ -1,8 +1,11 @@
 """The reference broker's client library against real etcd and a real tansu Kafka.
 
 No broker server runs: :class:`SimBroker` does what docs/reference-broker.md says
-the broker does (create the segment topics, write the layout, write each sealed
-parent's ``seal`` key), step by step, so a test can stop between the steps.
+the broker does (create the segment topics, put the ``sealing`` intent, read the
+sealed parents' end offsets, write the layout with every ``seal`` key and drop
+the intent in one transaction), step by step, so a test can stop between the
+steps. ``write_layout`` and ``seal`` on their own are the older, non-atomic
+order (layout, then seal), which the client still copes with.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from anyio.abc import TaskStatus
 
-from controllerd.adapters.store import Store
+from controllerd.adapters.store import Compare, Delete, Put, Store
 from controllerd.core.layout import initial_layout, merge, split
 from controllerd.core.model import (
     HashRange,
@@ -42,10 +45,12 @@ from controllerd.refbroker.client import (
     open_producer,
     readable_segments,
 )
+from controllerd.refbroker.kafka import KafkaBackend, open_kafka
 from controllerd.refbroker.naming import (
     check_name_part,
     key_hash,
     seal_key,
+    sealing_key,
     segment_topic,
     subscription_group,
 )
@@ -81,6 +86,7 @@ class SimBroker:
     bootstrap: str
     admin: Any
     reader: Any
+    kafka: KafkaBackend
     layout: Layout
 
     def kafka_topic(self, sid: int) -> str:
@@ -99,22 +105,8 @@ class SimBroker:
         )
 
     async def end_offset(self, sid: int) -> int:
-        """Offset after the segment's last record.
-
-        tansu 0.6 answers ListOffsets(latest) with the last *batch's* base offset
-        + 1, so read the record before that answer: the fetch returns its whole
-        batch (on Kafka, just that record), whose last offset + 1 is the end.
-        """
-        tp = TopicPartition(self.kafka_topic(sid), 0)
-        listed = int((await self.reader.end_offsets([tp]))[tp])
-        if listed == 0:
-            return 0
-        self.reader.assign([tp])
-        self.reader.seek(tp, listed - 1)
-        with anyio.fail_after(10):
-            while not (records := (await self.reader.getmany(tp, timeout_ms=200)).get(tp)):
-                pass
-        return int(records[-1].offset) + 1
+        """Offset after the segment's last record, read as the broker reads it."""
+        return await self.kafka.end_offset(self.kafka_topic(sid))
 
     async def seal(self, sid: int, end: int | None = None) -> None:
         """Step 3: the sealed segment's end offset (``end`` overrides what Kafka says)."""
@@ -123,27 +115,70 @@ class SimBroker:
             seal_key(self.keys, self.topic, sid), json.dumps({"endOffset": end}).encode()
         )
 
+    async def begin_seal(self, sids: list[int]) -> int:
+        """Atomic step 2: the ``sealing`` intent on a lease; returns the lease."""
+        lease, _ = await self.store.grant_lease(30)
+        await self.store.put(
+            sealing_key(self.keys, self.topic),
+            json.dumps({"segments": sids}).encode(),
+            lease=lease,
+        )
+        return lease
+
+    async def commit_seal(self, layout: Layout, ends: dict[int, int]) -> None:
+        """Atomic step 4: layout, every seal key and the end of the intent, one transaction."""
+        new = [s for sid, s in layout.segments.items() if sid not in self.layout.segments]
+        if new:
+            await self.admin.create_topics(
+                [NewTopic(segment_topic(self.topic, s.descriptor), 1, 1) for s in new]
+            )
+        key = self.keys.layout(self.topic)
+        current = await self.store.get(key)
+        assert current is not None
+        result = await self.store.txn(
+            [Compare.mod_revision(key, current.mod_revision)],
+            [
+                Put(key, json.dumps(layout_to_json(layout)).encode()),
+                *(
+                    Put(seal_key(self.keys, self.topic, sid), json.dumps({"endOffset": e}).encode())
+                    for sid, e in ends.items()
+                ),
+                Delete(sealing_key(self.keys, self.topic)),
+            ],
+        )
+        assert result.succeeded
+        self.layout = layout
+
+    async def seal_atomically(self, layout: Layout, sids: list[int]) -> None:
+        """What the broker does: intent, end offsets read after it, one transaction."""
+        lease = await self.begin_seal(sids)
+        try:
+            ends = {sid: await self.end_offset(sid) for sid in sids}
+            await self.commit_seal(layout, ends)
+        finally:
+            await self.store.revoke_lease(lease)
+
     async def split(self, sid: int) -> None:
-        await self.write_layout(split(self.layout, sid, now_ms=1))
-        await self.seal(sid)
+        await self.seal_atomically(split(self.layout, sid, now_ms=1), [sid])
 
     async def merge(self, a: int, b: int) -> None:
-        await self.write_layout(merge(self.layout, a, b, now_ms=2))
-        await self.seal(a)
-        await self.seal(b)
+        await self.seal_atomically(merge(self.layout, a, b, now_ms=2), [a, b])
 
     async def records(self, sid: int) -> list[Any]:
         """Every record of a segment's topic, in offset order."""
         tp = TopicPartition(self.kafka_topic(sid), 0)
         end = await self.end_offset(sid)
         self.reader.assign([tp])
-        await self.reader.seek_to_beginning(tp)
-        out: list[Any] = []
-        with anyio.fail_after(10):
-            while len(out) < end:
-                batch = await self.reader.getmany(tp, timeout_ms=200)
-                out += batch.get(tp, [])
-        return out
+        try:
+            await self.reader.seek_to_beginning(tp)
+            out: list[Any] = []
+            with anyio.fail_after(10):
+                while len(out) < end:
+                    batch = await self.reader.getmany(tp, timeout_ms=200)
+                    out += batch.get(tp, [])
+            return out
+        finally:
+            self.reader.assign([])  # track no topic: a refresh would re-create a deleted one
 
     async def committed(self, sub: str) -> dict[int, int]:
         """The subscription group's committed offset per segment (as the broker reads it)."""
@@ -167,10 +202,11 @@ async def sim_broker(
     await admin.start()
     await reader.start()
     try:
-        empty = Layout(epoch=0, next_segment_id=0, segments={})
-        sim = SimBroker(store, keys, topic, bootstrap, admin, reader, empty)
-        await sim.write_layout(initial_layout(segments))
-        yield sim
+        async with open_kafka(bootstrap) as kafka:
+            empty = Layout(epoch=0, next_segment_id=0, segments={})
+            sim = SimBroker(store, keys, topic, bootstrap, admin, reader, kafka, empty)
+            await sim.write_layout(initial_layout(segments))
+            yield sim
     finally:
         await reader.stop()
         await admin.close()
@@ -415,3 +451,136 @@ async def test_two_consumers_share_segments_and_hand_over(
 
     assert per_key(delivered()) == {n.encode(): [0, 1, 2, 3, 4] for n in names}
     assert Counter((m.segment_id, m.offset) for m in delivered()).most_common(1)[0][1] == 1
+
+
+# --- the sealing intent --------------------------------------------------------------------
+
+
+async def test_consumer_holds_back_a_segment_while_it_is_being_sealed(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    names = [f"k{i}" for i in range(10)]
+    async with (
+        sim_broker(store, etcd_prefix, kafka_broker, 1) as sim,
+        open_producer(store, sim.keys, kafka_broker, sim.topic) as producer,
+        open_consumer(store, sim.keys, kafka_broker, sim.topic, "s", "c") as consumer,
+    ):
+        got: list[Message] = []
+
+        async def consume() -> None:
+            async for message in consumer.messages():
+                got.append(message)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                for name in names:
+                    await producer.send(*kv(name, 0))  # offsets 0..9
+                await eventually(lambda: len(got) == 10)
+                lease = await sim.begin_seal([0])
+                # The layout still shows 0 active, and a producer may still write to it:
+                # the broker reads the end only after the intent. Nothing of it is
+                # delivered until the seal says where the segment ends.
+                for name in names:
+                    await producer.send(*kv(name, 1))  # offsets 10..19
+                with anyio.move_on_after(0.5):
+                    await eventually(lambda: len(got) > 10)
+                assert len(got) == 10
+                # The broker read the end as 15: 15..19 landed after its read.
+                await sim.commit_seal(split(sim.layout, 0, now_ms=1), {0: 15})
+                await store.revoke_lease(lease)
+                await eventually(lambda: len(got) == 20)
+                with anyio.move_on_after(0.3):
+                    await eventually(lambda: len(got) > 20)
+                tg.cancel_scope.cancel()
+    assert [m.offset for m in got if m.segment_id == 0] == list(range(15))
+    assert per_key(got) == {n.encode(): [0, 1] for n in names}  # once each, in order
+    assert producer.stats[0].resent == 5
+
+
+async def test_consumer_resumes_when_an_abandoned_intent_expires(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    async with (
+        sim_broker(store, etcd_prefix, kafka_broker, 1) as sim,
+        open_producer(store, sim.keys, kafka_broker, sim.topic) as producer,
+        open_consumer(store, sim.keys, kafka_broker, sim.topic, "s", "c") as consumer,
+    ):
+        got: list[Message] = []
+
+        async def consume() -> None:
+            async for message in consumer.messages():
+                got.append(message)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                lease = await sim.begin_seal([0])
+                for i in range(5):
+                    await producer.send(*kv(f"k{i}", 0))
+                with anyio.move_on_after(0.5):
+                    await eventually(lambda: len(got) > 0)
+                assert got == []
+                await store.revoke_lease(lease)  # the broker died: its lease ends the intent
+                await eventually(lambda: len(got) == 5)
+                tg.cancel_scope.cancel()
+    assert [m.offset for m in got] == list(range(5))
+
+
+async def test_producer_forgets_nothing_of_a_segment_being_sealed(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    names = [f"k{i}" for i in range(10)]
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+            for name in names:
+                await producer.send(*kv(name, 0))
+            lease = await sim.begin_seal([0])
+            flushed = anyio.Event()
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+
+                    async def flush() -> None:
+                        await producer.flush()
+                        flushed.set()
+
+                    tg.start_soon(flush)
+                    # While the intent stands a seal may come at any offset: keep everything.
+                    with anyio.move_on_after(0.5):
+                        await flushed.wait()
+                    assert not flushed.is_set()
+                    assert producer.retained == 10
+                    await sim.commit_seal(split(sim.layout, 0, now_ms=1), {0: 6})
+                    await flushed.wait()
+            await store.revoke_lease(lease)
+            assert producer.stats[0].resent == 4
+            assert producer.retained == 0
+        for child in (1, 2):
+            rng = sim.layout.segments[child].hash_range
+            mine = [n for n in names if rng.start <= key_hash(n.encode()) <= rng.end]
+            resent = [kv(n, 0)[1] for n in mine if int(n[1:]) >= 6]
+            assert [r.value for r in await sim.records(child)] == resent
+
+
+async def test_producer_does_not_bring_back_a_deleted_segment(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    """A producer's later metadata refresh must not name (and so re-create) a deleted parent."""
+    names = [f"k{i}" for i in range(40)]
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+
+            async def send_all(round_: int) -> set[int]:
+                return {(await producer.send(*kv(n, round_))).segment_id for n in names}
+
+            assert await send_all(0) == {0}
+            await sim.split(0)  # children 1, 2: topics the producer looks up by name
+            assert await send_all(1) == {1, 2}
+            await sim.split(1)  # children 3, 4
+            assert await send_all(2) == {3, 4, 2}
+            parents = [sim.kafka_topic(0), sim.kafka_topic(1)]
+            await sim.admin.delete_topics(parents)  # GC deleted the drained parents
+            await sim.split(2)  # children 5, 6: new topics, looked up with a metadata refresh
+            assert await send_all(3) == {3, 4, 5, 6}
+        listed = await sim.admin.list_topics()
+        assert [p for p in parents if p in listed] == []

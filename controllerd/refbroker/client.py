@@ -17,11 +17,12 @@ Producer (:func:`open_producer`):
   to be acknowledged and for the seal key, then re-sends, in the original order
   and routed by the current layout, every message that landed at an offset
   ``>= endOffset``. New sends wait meanwhile, so re-sends go first.
-* Memory is bounded without waiting for seals: a message acknowledged before a
-  linearizable etcd read that still shows its segment active lies below any
-  future seal (the broker reads the end offset after writing the layout), so it
-  is forgotten. This check runs once ``retain_limit`` messages are remembered and
-  in :meth:`Producer.flush`, which a clean exit runs.
+* Memory is bounded without waiting for seals: a message acknowledged before two
+  linearizable etcd reads, the first finding no ``sealing`` intent naming its
+  segment and the second still showing the segment active, lies below any future
+  seal (the broker reads end offsets only after its intent appeared), so it is
+  forgotten. This check runs once ``retain_limit`` messages are remembered and in
+  :meth:`Producer.flush`, which a clean exit runs.
 
 Consumer (:func:`open_consumer`):
 
@@ -38,10 +39,12 @@ Consumer (:func:`open_consumer`):
   claim gone. So committed messages are never delivered twice, even while
   consumers disagree about the assignment.
 * Never delivers a record of a segment at or beyond its ``endOffset``; for a
-  record of a segment its layout shows active it first checks with a
-  linearizable etcd read that the segment is still active (then the record lies
-  below any future seal). A child becomes readable only after its parents are
-  committed to their ends, which gives per-key order across splits and merges.
+  record of a segment its layout shows active it first checks with linearizable
+  etcd reads that no ``sealing`` intent names the segment and then that it is
+  still active (then the record lies below any future seal). It reads nothing of
+  a segment that an intent names until the intent is gone. A child becomes
+  readable only after its parents are committed to their ends, which gives
+  per-key order across splits and merges.
 * Delivery is at least once beyond the last commit. A message counts as
   *processed* once the iteration asks for the next one. With ``auto_commit``
   (default) processed offsets are committed at the end of every fetched batch;
@@ -102,6 +105,7 @@ from controllerd.core.view import Keys
 from controllerd.refbroker.naming import (
     check_name_part,
     key_hash,
+    sealing_key,
     segment_topic,
     subscription_group,
 )
@@ -184,6 +188,36 @@ def _parse_layout(value: bytes) -> Layout:
     return check(layout_from_json(json.loads(value)))
 
 
+#: What an unreadable intent names: every segment (-1) is treated as possibly sealing.
+_EVERY_SEGMENT: Final = -1
+
+
+def _parse_sealing(value: bytes) -> frozenset[int]:
+    """Segments a ``sealing`` intent names; an unreadable intent names every segment."""
+    try:
+        raw = json.loads(value)
+        ids = raw.get("segments") if isinstance(raw, dict) else None
+        if isinstance(ids, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids
+        ):
+            return frozenset(ids)
+    except ValueError:
+        pass
+    return frozenset({_EVERY_SEGMENT})
+
+
+def _sealing_names(sealing: frozenset[int], sid: int) -> bool:
+    return sid in sealing or _EVERY_SEGMENT in sealing
+
+
+async def _fresh_sealing(store: Store, key: str) -> tuple[frozenset[int], int]:
+    """Segments a linearizable read of the intent names, and the intent's revision (0: none)."""
+    kv = await store.get(key)
+    if kv is None:
+        return frozenset(), 0
+    return _parse_sealing(kv.value), kv.mod_revision
+
+
 def _parse_claims(value: bytes) -> frozenset[int]:
     """Segments a registration claims; a registration without claims (or unparsable) has none."""
     try:
@@ -201,6 +235,7 @@ class _TopicFollower:
     only grows: a deleted seal key means the segment's data was deleted, and its
     end offset stays true for anyone who still holds messages sent to it. An
     invalid layout value is logged and ignored (the previous one stays).
+    ``sealing`` is what the broker's ``sealing`` intent names (empty: none).
     """
 
     def __init__(
@@ -209,19 +244,26 @@ class _TopicFollower:
         self._store = store
         self._signal = signal
         self.root = keys.layout(topic)
+        self.sealing_key = sealing_key(keys, topic)
         self._segments_prefix = f"{self.root}/segments/"
         self.consumers_prefix = (
             f"{keys.subscription(topic, subscription)}/consumers/" if subscription else None
         )
         self.layout: Layout | None = None
         self.seals: dict[int, int] = {}
+        self.sealing: frozenset[int] = frozenset()
         self.consumers: dict[str, frozenset[int]] = {}
         self.revision = 0
+
+    def is_sealing(self, sid: int) -> bool:
+        """Whether the intent, as far as the watch has seen, names ``sid``."""
+        return _sealing_names(self.sealing, sid)
 
     async def load(self) -> None:
         """Read the subtree as of one revision (start, and after a compaction)."""
         kvs, revision = await self._store.get_prefix(self.root)
         self.layout = None
+        self.sealing = frozenset()
         self.consumers = {}
         for kv in kvs:
             self._put(kv.key, kv.value)
@@ -256,6 +298,9 @@ class _TopicFollower:
                 log.warning("refclient.layout.invalid", key=key, error=str(exc))
                 return False
             return True
+        if key == self.sealing_key:
+            self.sealing = _parse_sealing(value)
+            return True
         if key.startswith(self._segments_prefix) and key.endswith("/seal"):
             sid = key[len(self._segments_prefix) : -len("/seal")]
             try:
@@ -276,6 +321,9 @@ class _TopicFollower:
     def _delete(self, key: str) -> bool:
         if key == self.root:
             self.layout = None
+            return True
+        if key == self.sealing_key:
+            self.sealing = frozenset()
             return True
         name = self._consumer_name(key)
         if name is not None:
@@ -511,6 +559,7 @@ class Producer:
             if end is None:
                 raise TopicNotFound(self._topic.path)
             del self._tracks[sid]
+            self._untrack()
             self._retained -= len(track.entries)
             resend = [e for e in track.entries if e.offset is not None and e.offset >= end]
             for entry in resend:
@@ -528,11 +577,24 @@ class Producer:
                 resent=len(resend),
             )
 
+    def _untrack(self) -> None:
+        """Let aiokafka name only active segments in its metadata refreshes.
+
+        It names every topic it ever sent to in each refresh, and Kafka (tansu)
+        re-creates a named topic: a sealed segment GC deleted would come back.
+        """
+        layout = self._follower.layout
+        if layout is not None:
+            active = [segment_topic(self._topic, s.descriptor) for s in layout.active_segments()]
+            self._kafka.client.set_topics(active)
+
     async def _trim(self) -> int:
         """Forget acknowledged messages of segments etcd still shows active; caller holds the gate.
 
-        Returns the layout's mod revision that was read. A message acknowledged
-        before this linearizable read lies below any seal that comes after it.
+        A message acknowledged before a read that finds no intent naming its
+        segment, followed by a read that still shows the segment active, lies
+        below any seal after them. Returns the revision the watch must reach
+        before another try can forget more: the layout's, or past the intent's.
         """
         marks: dict[int, int] = {}
         for sid, track in self._tracks.items():
@@ -542,6 +604,7 @@ class Producer:
                     break
                 count += 1
             marks[sid] = count
+        sealing, intent_revision = await _fresh_sealing(self._store, self._follower.sealing_key)
         kv = await self._store.get(self._follower.root)
         if kv is None:
             raise TopicNotFound(self._topic.path)
@@ -552,14 +615,14 @@ class Producer:
         active = {s.segment_id for s in fresh.active_segments()}
         for sid, count in marks.items():
             kept = self._tracks.get(sid)
-            if kept is None or sid not in active:
+            if kept is None or sid not in active or _sealing_names(sealing, sid):
                 continue
             for _ in range(count):
                 kept.entries.popleft()
             self._retained -= count
             if not kept.entries and kept.inflight == 0:
                 del self._tracks[sid]
-        return kv.mod_revision
+        return max(kv.mod_revision, intent_revision + 1 if sealing else 0)
 
     async def _run_sealer(self) -> None:
         """Settle sealed segments as soon as the layout shows them, even if nobody sends."""
@@ -856,10 +919,11 @@ class Consumer:
         """The fetched records that may be delivered, in offset order per segment.
 
         Records at or beyond a seal are dropped. Records of a segment our layout
-        shows active are kept only if a linearizable read still shows it active.
-        The records of a segment whose end is not known (sealed since the fetch,
-        seal key not seen yet) are given back: their partition is rewound, and the
-        segment is read again once the watch has caught up.
+        shows active are kept only if a linearizable read finds no ``sealing``
+        intent naming it and a later one still shows it active. The records of a
+        segment whose end is not known (sealed or being sealed since the fetch)
+        are given back: their partition is rewound, and the segment is read again
+        once the watch has caught up (it stays paused while an intent names it).
         """
         layout = self._layout()
         by_segment: dict[int, list[Any]] = {}
@@ -880,6 +944,13 @@ class Consumer:
         wait_beyond: int | None = None
         unfenced = [sid for sid in by_segment if layout.segments[sid].active]
         if unfenced:
+            sealing, intent_revision = await _fresh_sealing(self._store, self._follower.sealing_key)
+            held = [sid for sid in unfenced if _sealing_names(sealing, sid)]
+            if held:
+                unknown_end += held
+                unfenced = [sid for sid in unfenced if sid not in held]
+                wait_beyond = intent_revision - 1  # until the watch shows the intent
+        if unfenced:
             kv = await self._store.get(self._follower.root)
             if kv is None:
                 raise TopicNotFound(self._topic.path)
@@ -887,7 +958,8 @@ class Consumer:
                 fresh = _parse_layout(kv.value)
             except (ValueError, ModelError, LayoutError):
                 unknown_end += unfenced
-                wait_beyond = kv.mod_revision  # wait for a newer, valid layout
+                revision = kv.mod_revision  # wait for a newer, valid layout
+                wait_beyond = revision if wait_beyond is None else max(wait_beyond, revision)
             else:
                 stale = [
                     sid
@@ -896,7 +968,8 @@ class Consumer:
                 ]
                 if stale:
                     unknown_end += stale
-                    wait_beyond = kv.mod_revision - 1  # until the watch shows this layout
+                    revision = kv.mod_revision - 1  # until the watch shows this layout
+                    wait_beyond = revision if wait_beyond is None else max(wait_beyond, revision)
         if unknown_end:
             async with self._lock:
                 for sid in unknown_end:
@@ -1019,7 +1092,7 @@ class Consumer:
         if seg is None:
             return False
         if seg.active:
-            return True
+            return not self._follower.is_sealing(sid)
         end = self._follower.seals.get(sid)
         return end is not None and self._owned[sid].position < end
 

@@ -1,7 +1,8 @@
 """Names shared by the reference broker and its client (docs/reference-broker.md).
 
 Pure: the Kafka topic of a segment, the consumer group of a subscription, the
-etcd key of a seal, and the routing hash. Broker and client must agree on every
+etcd keys of a seal and of a seal in progress, the routing hash and the
+hash-range slices of a load histogram. Broker and client must agree on every
 one of these, so both import them from here.
 """
 
@@ -15,7 +16,16 @@ import mmh3
 from controllerd.core.model import TopicName
 from controllerd.core.view import Keys
 
-__all__ = ["check_name_part", "key_hash", "seal_key", "segment_topic", "subscription_group"]
+__all__ = [
+    "HISTOGRAM_SLICES",
+    "check_name_part",
+    "key_hash",
+    "seal_key",
+    "sealing_key",
+    "segment_topic",
+    "slice_starts",
+    "subscription_group",
+]
 
 _NAME_PART: Final = re.compile(r"[A-Za-z0-9_-]+")
 _DESCRIPTOR: Final = re.compile(r"[0-9a-f]{4}-[0-9a-f]{4}-[0-9]+")
@@ -62,6 +72,35 @@ def subscription_group(topic: TopicName, sub: str) -> str:
 def seal_key(keys: Keys, topic: TopicName, segment_id: int) -> str:
     """etcd key of a sealed segment's ``{"endOffset": N}``."""
     return f"{keys.layout(topic)}/segments/{segment_id}/seal"
+
+
+def sealing_key(keys: Keys, topic: TopicName) -> str:
+    """etcd key of a seal in progress: ``{"segments": [ids]}`` on the broker's lease.
+
+    While it exists, the segments it names may be sealed at any offset the broker
+    reads after it appeared; clients treat them as possibly sealed.
+    """
+    return f"{keys.layout(topic)}/sealing"
+
+
+#: Most slices in a segment's load histogram (``hashBuckets``).
+HISTOGRAM_SLICES: Final = 32
+
+
+def slice_starts(start: int, end: int, slices: int = HISTOGRAM_SLICES) -> list[int]:
+    """First hash of each slice of ``[start, end]``: ``start + (i * W) // n``, W = width.
+
+    ``n = min(slices, W)``, so no slice is empty; slice ``i`` ends where slice
+    ``i + 1`` starts, the last at ``end`` (the ``hashBuckets`` wire format).
+
+    Raises:
+        ValueError: ``end < start`` or ``slices < 1``.
+    """
+    if end < start or slices < 1:
+        raise ValueError(f"bad range [{start}, {end}] or slice count {slices}")
+    width = end - start + 1
+    n = min(slices, width)
+    return [start + (i * width) // n for i in range(n)]
 
 
 def key_hash(key: bytes) -> int:

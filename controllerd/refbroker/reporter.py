@@ -3,25 +3,48 @@
 Rates come from Kafka: ``msgRateIn`` from the growth of the segment's end
 offset, ``msgRateOut`` from the growth of the subscriptions' committed offsets
 (summed, as Pulsar sums its dispatch rates), byte rates from those times the
-mean size of the segment's newest messages. Whether a record is written is the
-core's :func:`controllerd.core.loadreport.should_write` (materiality, threshold
+mean size of the messages read back in the window.
+
+Whether a record is written is the core's
+:func:`controllerd.core.loadreport.should_write` (materiality, threshold
 crossings, heartbeat); the last written value is seeded from etcd on a cache
 miss so a restarted reporter does not rewrite every record.
+
+A window in which the traffic changed is a mixture of the old and the new
+regime: a burst from 50 to 700 msg/s that starts inside a window reads, say,
+424 msg/s, and a controller that splits for 424 must split again once 700
+shows up. So a change is written only once a window lies wholly inside the new
+regime: a reading that would write for a material change, a zero crossing or a
+threshold crossing is held, the next window (``confirm_interval`` later,
+shorter than the regular interval) is measured, and that reading is judged and
+written. A change that does not last is never written. First records and
+heartbeats are written at once.
+
+Each record also carries ``hashBuckets`` when the window had keyed messages:
+the msg/s in of each of ``n = min(32, W)`` equal slices of the segment's hash
+range (``naming.slice_starts``), from the keys of the messages read back
+(``KafkaBackend.sample``), so a controller can split where the load is. The
+histogram never decides whether a record is written.
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import structlog
 
 from controllerd.adapters.store import Store, StoreError
 from controllerd.core.loadreport import ReportRule, WriteReason, should_write
 from controllerd.core.model import (
+    HashRange,
     LoadSample,
     ModelError,
     Rates,
+    Segment,
     TopicName,
     layout_from_json,
     load_sample_from_json,
@@ -29,10 +52,15 @@ from controllerd.core.model import (
 )
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import Clock
-from controllerd.refbroker.kafka import KafkaBackend, KafkaBackendError
-from controllerd.refbroker.naming import segment_topic, subscription_group
+from controllerd.refbroker.kafka import KafkaBackend, KafkaBackendError, Sampled, TopicGone
+from controllerd.refbroker.naming import key_hash, segment_topic, slice_starts, subscription_group
 
 log = structlog.get_logger("controllerd.refbroker.reporter")
+
+#: Write reasons that may come from a window straddling a change: confirmed first.
+_CONFIRMED: Final = frozenset(
+    {WriteReason.MATERIAL_CHANGE, WriteReason.ZERO_CROSSING, WriteReason.THRESHOLD_CROSSING}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +76,31 @@ class _Written:
     at_ms: int
 
 
+def hash_buckets(
+    hash_range: HashRange, sampled: Sequence[Sampled], msg_rate_in: float
+) -> list[float] | None:
+    """msg/s in per slice of ``hash_range`` (the ``hashBuckets`` field); None without keys.
+
+    Each slice gets ``msg_rate_in`` times its share of the sampled messages;
+    keyless messages (routed at random) count in no slice.
+    """
+    starts = slice_starts(hash_range.start, hash_range.end)
+    counts = [0] * len(starts)
+    keyed = 0
+    for message in sampled:
+        if message.key is None:
+            continue
+        h = key_hash(message.key)
+        if not hash_range.start <= h <= hash_range.end:
+            continue
+        counts[bisect_right(starts, h) - 1] += 1
+        keyed += 1
+    if keyed == 0:
+        return None
+    scale = msg_rate_in / len(sampled)
+    return [round(c * scale, 3) for c in counts]
+
+
 class LoadReporter:
     """Writes ``…/segments/<id>/load`` for every active segment of every topic."""
 
@@ -59,12 +112,24 @@ class LoadReporter:
         rule: ReportRule,
         clock: Clock,
         interval: float,
+        confirm_interval: float | None = None,
     ) -> None:
         self._store, self._keys, self._kafka = store, keys, kafka
         self._rule, self._clock, self._interval = rule, clock, interval
+        self._confirm_interval = interval / 2 if confirm_interval is None else confirm_interval
         self._readings: dict[tuple[TopicName, int], _Reading] = {}
         self._written: dict[tuple[TopicName, int], _Written] = {}
         self._sizes: dict[tuple[TopicName, int], float] = {}
+        self._held: set[tuple[TopicName, int]] = set()
+
+    @property
+    def held(self) -> frozenset[tuple[TopicName, int]]:
+        """Segments whose change waits for a confirming window."""
+        return frozenset(self._held)
+
+    def next_interval(self) -> float:
+        """Seconds until the next pass: sooner while a change waits for confirmation."""
+        return self._confirm_interval if self._held else self._interval
 
     async def run(self) -> None:
         while True:
@@ -72,7 +137,7 @@ class LoadReporter:
                 await self.report_once()
             except (StoreError, KafkaBackendError) as exc:
                 log.warning("reporter.failed", error=str(exc))
-            await self._clock.sleep(self._interval)
+            await self._clock.sleep(self.next_interval())
 
     async def report_once(self) -> int:
         """One pass over every topic; returns how many records it wrote."""
@@ -97,39 +162,59 @@ class LoadReporter:
             elif len(parts) == 6 and parts[5] == "load":
                 stored[kv.key] = kv.value
         written = 0
+        measured: set[tuple[TopicName, int]] = set()
         for topic, layout in sorted(layouts.items()):
             for seg in layout.active_segments():
-                if await self._report(
-                    topic, seg.segment_id, seg.descriptor, subscriptions.get(topic, []), stored
-                ):
-                    written += 1
+                measured.add((topic, seg.segment_id))
+                try:
+                    if await self._report(topic, seg, subscriptions.get(topic, []), stored):
+                        written += 1
+                except TopicGone:
+                    continue  # deleted since the layout was read
+                except KafkaBackendError as exc:
+                    log.warning(
+                        "reporter.segment_failed",
+                        topic=str(topic),
+                        segment=seg.segment_id,
+                        error=str(exc),
+                    )
+        for gone in [k for k in self._readings if k not in measured]:
+            self._forget(gone)
         return written
 
+    def _forget(self, key: tuple[TopicName, int]) -> None:
+        self._readings.pop(key, None)
+        self._written.pop(key, None)
+        self._sizes.pop(key, None)
+        self._held.discard(key)
+
     async def _report(
-        self, topic: TopicName, sid: int, descriptor: str, subs: list[str], stored: dict[str, bytes]
+        self, topic: TopicName, seg: Segment, subs: list[str], stored: dict[str, bytes]
     ) -> bool:
-        name = segment_topic(topic, descriptor)
+        sid = seg.segment_id
+        ident = (topic, sid)
+        name = segment_topic(topic, seg.descriptor)
         end = await self._kafka.end_offset(name)
+        at = self._clock.monotonic()  # paired with the end offset: a short window needs it
         consumed = 0
         for sub in subs:
             consumed += await self._kafka.committed(subscription_group(topic, sub), name) or 0
-        reading = _Reading(end, consumed, self._clock.monotonic())
-        previous = self._readings.get((topic, sid))
-        self._readings[(topic, sid)] = reading
+        reading = _Reading(end, consumed, at)
+        previous = self._readings.get(ident)
+        self._readings[ident] = reading
         if previous is None or reading.at <= previous.at:
             return False  # a rate needs two readings
         seconds = reading.at - previous.at
         msg_in = max(0, end - previous.end) / seconds
         msg_out = max(0, consumed - previous.consumed) / seconds
-        if end > previous.end:
-            size = await self._kafka.mean_message_size(name, end)
-            if size is not None:
-                self._sizes[(topic, sid)] = size
-        size = self._sizes.get((topic, sid), 0.0)
+        sampled = await self._kafka.sample(name, previous.end, end) if end > previous.end else []
+        if sampled:
+            self._sizes[ident] = sum(m.size for m in sampled) / len(sampled)
+        size = self._sizes.get(ident, 0.0)
         rates = Rates(msg_in, msg_in * size, msg_out, msg_out * size)
         key = self._keys.load(topic, sid)
         now = self._clock.now_ms()
-        last = self._written.get((topic, sid)) or self._seed(stored.get(key))
+        last = self._written.get(ident) or self._seed(stored.get(key))
         reason = should_write(
             self._rule,
             last.sample.rates if last else None,
@@ -137,14 +222,29 @@ class LoadReporter:
             now,
             last.at_ms if last else None,
         )
+        if reason in _CONFIRMED and ident not in self._held:
+            self._held.add(ident)
+            log.debug(
+                "reporter.confirming",
+                topic=str(topic),
+                segment=sid,
+                reason=reason.value if reason else None,
+                msg_rate_in=round(msg_in, 1),
+            )
+            return False
+        self._held.discard(ident)
         if reason is None:
             return False
-        changed = last.sample.changed_at_ms if last and reason is WriteReason.HEARTBEAT else now
-        sample = LoadSample(
-            last.sample.rates if last and reason is WriteReason.HEARTBEAT else rates, changed, now
-        )
-        await self._store.put(key, json.dumps(load_sample_to_json(sample)).encode())
-        self._written[(topic, sid)] = _Written(sample, now)
+        heartbeat = last is not None and reason is WriteReason.HEARTBEAT
+        published = last.sample.rates if last is not None and heartbeat else rates
+        changed = last.sample.changed_at_ms if last is not None and heartbeat else now
+        sample = LoadSample(published, changed, now)
+        record = load_sample_to_json(sample)
+        buckets = hash_buckets(seg.hash_range, sampled, published.msg_rate_in)
+        if buckets is not None:
+            record["hashBuckets"] = buckets
+        await self._store.put(key, json.dumps(record).encode())
+        self._written[ident] = _Written(sample, now)
         log.debug(
             "reporter.wrote",
             topic=str(topic),

@@ -1,10 +1,26 @@
 """The reference broker's admin REST API (DESIGN §5) over etcd and Kafka.
 
 Layouts, subscriptions and seal offsets live in etcd at the PIP-468 paths;
-segment data lives in Kafka (``docs/reference-broker.md``). Every layout write
-is one etcd transaction that compares the layout's ``mod_revision`` and, when
-the request carries ``X-Fencing-Token``, the controller leader key's create
-revision: a deposed controller can never change a layout (409 ``fenced``).
+segment data lives in Kafka (``docs/reference-broker.md``).
+
+Security:
+
+* With a bearer token configured (``--token-file``) every admin request needs
+  ``Authorization: Bearer <token>``: 401 without one, 403 with another
+  (compared in constant time).
+* With fencing on (a leader key configured, the default) a split, merge or
+  segment deletion without ``X-Fencing-Token`` is refused (428
+  ``fencing-required``). ``X-Fencing-Key`` names the etcd key the token is the
+  create revision of: the leader key (the default when absent) or, in sharded
+  mode, ``<controller_root>/shards/<shard>`` of *this topic's* shard; any other
+  key is 400 ``bad-fencing-key``. The compare of that key's create revision
+  against the token is part of the same etcd transaction as the layout write,
+  so a deposed controller can never change a layout (409 ``fenced``).
+
+Sealing is atomic: the layout that seals segments and every sealed segment's
+``seal`` key are one transaction. Their end offsets are read before it, after
+a ``sealing`` intent (on a short lease) has told clients to treat the
+segments as possibly sealed; see :meth:`RefBroker._seal_and_write`.
 
 Extensions over Pulsar: k-way splits with ``?boundaries=b1,b2,...`` and a
 DELETE of a segment that refuses (409 ``backlog``) while any subscription still
@@ -13,27 +29,32 @@ has backlog on it.
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from controllerd.adapters.store import Compare, Put, Store, StoreError
+from controllerd.adapters import backoff
+from controllerd.adapters.store import Compare, Delete, Put, Store, StoreError
 from controllerd.core import layout as layout_ops
 from controllerd.core.model import Layout, ModelError, TopicName, layout_from_json, layout_to_json
+from controllerd.core.shards import DEFAULT_SHARDS, shard_name, shard_of
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import Clock
 from controllerd.refbroker.kafka import KafkaBackend, KafkaBackendError
 from controllerd.refbroker.naming import (
     check_name_part,
     seal_key,
+    sealing_key,
     segment_topic,
     subscription_group,
 )
@@ -43,20 +64,32 @@ log = structlog.get_logger("controllerd.refbroker")
 _DESCRIPTOR = re.compile(r"([0-9a-f]{4})-([0-9a-f]{4})-(\d+)")
 #: Layout writes that lose a race with another writer are retried this often.
 CAS_ATTEMPTS = 5
+#: Seconds a ``sealing`` intent outlives a broker that died between reading the
+#: end offsets and writing the seal; clients hold back those segments meanwhile.
+SEALING_TTL = 30
+FENCING_TOKEN_HEADER = "x-fencing-token"
+FENCING_KEY_HEADER = "x-fencing-key"
 
 
 class Refused(Exception):
     """An admin request the broker answers with ``status`` and a Pulsar-style body."""
 
-    def __init__(self, status: int, reason: str, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(reason)
         self.status, self.reason, self.code = status, reason, code
+        self.headers = headers
 
     def response(self) -> Response:
         body: dict[str, Any] = {"reason": self.reason}
         if self.code:
             body["code"] = self.code
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 _LAYOUT_ERRORS = {
@@ -69,15 +102,32 @@ _LAYOUT_ERRORS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """A fencing claim: ``token`` must be the create revision of etcd key ``key``."""
+
+    key: str
+    token: int
+
+    def compare(self) -> Compare:
+        return Compare.create_revision(self.key, self.token)
+
+
 @dataclass
 class RefBroker:
-    """The admin operations; the HTTP layer is :func:`make_app`."""
+    """The admin operations; the HTTP layer is :func:`make_app`.
+
+    ``leader_key`` None turns fencing off (tests of the unfenced protocol only).
+    ``shards`` is ``[election] shards``: the shard of a topic decides which shard
+    key may fence its mutations.
+    """
 
     store: Store
     keys: Keys
     kafka: KafkaBackend
     clock: Clock
     leader_key: str | None = None
+    shards: int = DEFAULT_SHARDS
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -90,57 +140,122 @@ class RefBroker:
         except (ModelError, ValueError) as exc:
             raise Refused(500, f"stored layout of {topic} is unusable: {exc}") from exc
 
-    async def _fenced(self, token: int | None) -> list[Compare]:
-        """The compare that fences a layout write, or none without a token."""
-        if token is None or self.leader_key is None:
-            return []
-        return [Compare.create_revision(self.leader_key, token)]
+    def shard_key(self, topic: TopicName) -> str:
+        """The fencing key of ``topic``'s shard in sharded mode."""
+        return f"{self.keys.controller_root}/shards/{shard_name(shard_of(topic, self.shards))}"
 
-    async def _check_fence(self, token: int | None) -> None:
-        if token is None or self.leader_key is None:
+    def fence(self, topic: TopicName, token: int | None, key: str | None) -> Fence | None:
+        """The fencing claim a mutation of ``topic`` must hold; None when fencing is off.
+
+        Raises:
+            Refused: 428 without a token, 400 for a key that cannot fence this topic.
+        """
+        if self.leader_key is None:
+            return None
+        if token is None:
+            raise Refused(
+                428,
+                "fencing is on: send X-Fencing-Token (and X-Fencing-Key in sharded mode)",
+                "fencing-required",
+            )
+        key = self.leader_key if key is None else key
+        if key not in (self.leader_key, self.shard_key(topic)):
+            raise Refused(
+                400,
+                f"X-Fencing-Key {key!r} is neither the leader key nor the key of {topic}'s shard",
+                "bad-fencing-key",
+            )
+        return Fence(key, token)
+
+    async def _check_fence(self, fence: Fence | None) -> None:
+        """Refuse with 409 ``fenced`` unless ``fence`` still holds."""
+        if fence is None:
             return
-        kv = await self.store.get(self.leader_key)
-        if kv is None or kv.create_revision != token:
+        kv = await self.store.get(fence.key)
+        if kv is None or kv.create_revision != fence.token:
             current = kv.create_revision if kv is not None else None
-            raise Refused(409, f"fencing token {token} is not the leader's ({current})", "fenced")
+            raise Refused(
+                409,
+                f"fencing token {fence.token} is not the current one of {fence.key} ({current})",
+                "fenced",
+            )
 
     async def _write_layout(
-        self,
-        topic: TopicName,
-        change: Callable[[Layout], Layout],
-        token: int | None,
-        before_write: Callable[[Layout, Layout], Awaitable[None]] | None = None,
+        self, topic: TopicName, change: Callable[[Layout], Layout], fence: Fence | None
     ) -> tuple[Layout, Layout]:
-        """Read-modify-CAS a layout; retried on races, refused when fenced."""
-        for _ in range(CAS_ATTEMPTS):
+        """Read-modify-CAS a layout (sealing atomically); retried on races, refused when fenced."""
+        for attempt in range(CAS_ATTEMPTS):
             old, revision = await self.read_layout(topic)
             try:
                 new = layout_ops.check(change(old))
             except layout_ops.LayoutError as exc:
                 raise Refused(_LAYOUT_ERRORS.get(exc.code, 412), str(exc), exc.code) from exc
-            if before_write is not None:
-                await before_write(old, new)
-            compares = [
-                Compare.mod_revision(self.keys.layout(topic), revision),
-                *await self._fenced(token),
-            ]
-            result = await self.store.txn(
-                compares, [Put(self.keys.layout(topic), json.dumps(layout_to_json(new)).encode())]
+            await self._create_children(topic, old, new)
+            compares = [Compare.mod_revision(self.keys.layout(topic), revision)]
+            if fence is not None:
+                compares.append(fence.compare())
+            sealed = sorted(
+                sid
+                for sid, seg in new.segments.items()
+                if not seg.active
+                and (before := old.segments.get(sid)) is not None
+                and before.active
             )
-            if result.succeeded:
+            if await self._seal_and_write(topic, new, sealed, compares):
                 return old, new
-            await self._check_fence(token)
+            await self._check_fence(fence)
+            if await self.store.get(sealing_key(self.keys, topic)) is not None:
+                await anyio.sleep(backoff.ETCD.delay(attempt))  # another seal is under way
         raise Refused(409, f"layout of {topic} kept changing; try again", "conflict")
 
-    async def _seal(self, topic: TopicName, old: Layout, new: Layout) -> None:
-        """Record the end offset of every segment the change sealed (docs/reference-broker.md)."""
-        for sid, seg in new.segments.items():
-            before = old.segments.get(sid)
-            if before is not None and before.active and not seg.active:
-                end = await self.kafka.end_offset(segment_topic(topic, seg.descriptor))
-                await self.store.put(
-                    seal_key(self.keys, topic, sid), json.dumps({"endOffset": end}).encode()
-                )
+    async def _seal_and_write(
+        self, topic: TopicName, new: Layout, sealed: list[int], compares: list[Compare]
+    ) -> bool:
+        """Write ``new`` and the seal of every segment in ``sealed`` in one transaction.
+
+        1. A transaction guarded by ``compares`` puts the ``sealing`` intent on a
+           lease of :data:`SEALING_TTL` seconds. From then on clients neither
+           deliver records of those segments nor forget what they sent to them
+           (``docs/reference-broker.md``), so any end offset read *after* it is a
+           valid seal.
+        2. The end offsets are read from Kafka.
+        3. One transaction, guarded by ``compares`` and the intent still being
+           ours, puts the layout and every seal key and deletes the intent.
+
+        A failure anywhere leaves the layout unsealed and no seal key; the intent
+        is revoked (or expires with its lease). False: a compare failed.
+        """
+        layout_put = Put(self.keys.layout(topic), json.dumps(layout_to_json(new)).encode())
+        if not sealed:
+            return (await self.store.txn(compares, [layout_put])).succeeded
+        intent = sealing_key(self.keys, topic)
+        lease, _ = await self.store.grant_lease(SEALING_TTL)
+        try:
+            claimed = await self.store.txn(
+                [*compares, Compare.absent(intent)],
+                [Put(intent, json.dumps({"segments": sealed}).encode(), lease=lease)],
+            )
+            if not claimed.succeeded:
+                return False
+            ends = {
+                sid: await self.kafka.end_offset(segment_topic(topic, new.segments[sid].descriptor))
+                for sid in sealed
+            }
+            seals = [
+                Put(seal_key(self.keys, topic, sid), json.dumps({"endOffset": end}).encode())
+                for sid, end in ends.items()
+            ]
+            result = await self.store.txn(
+                [*compares, Compare.create_revision(intent, claimed.revision)],
+                [layout_put, *seals, Delete(intent)],
+            )
+            return result.succeeded
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.store.revoke_lease(lease)
+                except StoreError as exc:  # the lease expires by itself
+                    log.warning("refbroker.sealing.revoke_failed", topic=str(topic), error=str(exc))
 
     async def _create_children(self, topic: TopicName, old: Layout, new: Layout) -> None:
         names = [
@@ -207,39 +322,38 @@ class RefBroker:
     # -- split / merge -------------------------------------------------------------------
 
     async def split(
-        self, topic: TopicName, segment_id: int, boundaries: list[int] | None, token: int | None
+        self, topic: TopicName, segment_id: int, boundaries: list[int] | None, fence: Fence | None
     ) -> Layout:
         now = self.clock.now_ms()
 
         def change(layout: Layout) -> Layout:
             return layout_ops.split(layout, segment_id, boundaries, now_ms=now)
 
-        async def children(old: Layout, new: Layout) -> None:
-            await self._create_children(topic, old, new)
-
-        old, new = await self._write_layout(topic, change, token, children)
-        await self._seal(topic, old, new)
+        old, new = await self._write_layout(topic, change, fence)
         log.info(
             "refbroker.split",
             topic=str(topic),
             segment=segment_id,
             children=[s for s in new.segments if s not in old.segments],
-            token=token,
+            fencing_key=fence.key if fence else None,
+            token=fence.token if fence else None,
         )
         return new
 
-    async def merge(self, topic: TopicName, a: int, b: int, token: int | None) -> Layout:
+    async def merge(self, topic: TopicName, a: int, b: int, fence: Fence | None) -> Layout:
         now = self.clock.now_ms()
 
         def change(layout: Layout) -> Layout:
             return layout_ops.merge(layout, a, b, now_ms=now)
 
-        async def children(old: Layout, new: Layout) -> None:
-            await self._create_children(topic, old, new)
-
-        old, new = await self._write_layout(topic, change, token, children)
-        await self._seal(topic, old, new)
-        log.info("refbroker.merge", topic=str(topic), segments=[a, b], token=token)
+        _, new = await self._write_layout(topic, change, fence)
+        log.info(
+            "refbroker.merge",
+            topic=str(topic),
+            segments=[a, b],
+            fencing_key=fence.key if fence else None,
+            token=fence.token if fence else None,
+        )
         return new
 
     # -- segments ------------------------------------------------------------------------
@@ -257,9 +371,9 @@ class RefBroker:
         committed = await self.kafka.committed(subscription_group(topic, sub), name) or 0
         return max(0, end - committed)
 
-    async def delete_segment(self, topic: TopicName, descriptor: str, token: int | None) -> None:
+    async def delete_segment(self, topic: TopicName, descriptor: str, fence: Fence | None) -> None:
         segment_id = _segment_id(descriptor)
-        await self._check_fence(token)
+        await self._check_fence(fence)
         kv = await self.store.get(self.keys.layout(topic))
         if kv is not None:
             layout = layout_from_json(json.loads(kv.value))
@@ -298,14 +412,32 @@ def _topic(request: Request) -> TopicName:
         raise Refused(400, str(exc)) from exc
 
 
-def _token(request: Request) -> int | None:
-    raw = request.headers.get("x-fencing-token")
-    if raw is None:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise Refused(400, f"X-Fencing-Token {raw!r} is not an integer") from None
+def _fence(request: Request, broker: RefBroker, topic: TopicName) -> Fence | None:
+    """The fencing claim of a mutation, from ``X-Fencing-Token`` and ``X-Fencing-Key``."""
+    raw = request.headers.get(FENCING_TOKEN_HEADER)
+    token: int | None = None
+    if raw is not None:
+        try:
+            token = int(raw)
+        except ValueError:
+            raise Refused(400, f"X-Fencing-Token {raw!r} is not an integer") from None
+        if token < 1:
+            raise Refused(400, f"X-Fencing-Token {token} is not an etcd create revision")
+    return broker.fence(topic, token, request.headers.get(FENCING_KEY_HEADER))
+
+
+def _authenticate(request: Request, token: bytes) -> None:
+    """401 without a bearer token, 403 with a wrong one (constant-time comparison)."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise Refused(
+            401,
+            "this broker requires Authorization: Bearer <token>",
+            "unauthenticated",
+            headers={"WWW-Authenticate": 'Bearer realm="controllerd-refbroker"'},
+        )
+    if not hmac.compare_digest(given.strip().encode(), token):
+        raise Refused(403, "the bearer token is not accepted", "forbidden")
 
 
 def _int_param(request: Request, name: str) -> int:
@@ -315,8 +447,9 @@ def _int_param(request: Request, name: str) -> int:
         raise Refused(400, f"{name} must be an integer") from None
 
 
-def make_app(broker: RefBroker) -> Starlette:
-    """Routes of DESIGN §5 over :class:`RefBroker`."""
+def make_app(broker: RefBroker, token: str | None = None) -> Starlette:
+    """Routes of DESIGN §5 over :class:`RefBroker`; every one needs ``token`` if given."""
+    expected = token.strip().encode() if token is not None else None
     base = "/admin/v2/scalable/{tenant}/{namespace}"
     seg = "/admin/v2/segments/{tenant}/{namespace}/{topic}/{descriptor}"
 
@@ -325,6 +458,8 @@ def make_app(broker: RefBroker) -> Starlette:
     ) -> Callable[[Request], Awaitable[Response]]:
         async def wrapped(request: Request) -> Response:
             try:
+                if expected is not None:
+                    _authenticate(request, expected)
                 return await handler(request)
             except Refused as exc:
                 return exc.response()
@@ -373,13 +508,15 @@ def make_app(broker: RefBroker) -> Starlette:
             bounds = [int(b) for b in raw.split(",")] if raw else None
         except ValueError:
             raise Refused(400, f"boundaries {raw!r} must be comma-separated integers") from None
-        await broker.split(_topic(request), _int_param(request, "segment"), bounds, _token(request))
+        topic = _topic(request)
+        fence = _fence(request, broker, topic)
+        await broker.split(topic, _int_param(request, "segment"), bounds, fence)
         return Response(status_code=204)
 
     async def merge(request: Request) -> Response:
-        await broker.merge(
-            _topic(request), _int_param(request, "a"), _int_param(request, "b"), _token(request)
-        )
+        topic = _topic(request)
+        fence = _fence(request, broker, topic)
+        await broker.merge(topic, _int_param(request, "a"), _int_param(request, "b"), fence)
         return Response(status_code=204)
 
     async def backlog(request: Request) -> Response:
@@ -388,9 +525,9 @@ def make_app(broker: RefBroker) -> Starlette:
         return JSONResponse(value)
 
     async def delete_segment(request: Request) -> Response:
-        await broker.delete_segment(
-            _topic(request), request.path_params["descriptor"], _token(request)
-        )
+        topic = _topic(request)
+        fence = _fence(request, broker, topic)
+        await broker.delete_segment(topic, request.path_params["descriptor"], fence)
         return Response(status_code=204)
 
     return Starlette(

@@ -1,0 +1,192 @@
+"""The reference broker's load reporter on real etcd and real Kafka (tansu).
+
+Time is a :class:`ManualClock`: a test produces a window's messages, advances
+the clock by the window and runs one pass, so rates are exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from controllerd import config as config_mod
+from controllerd.adapters.store import Store
+from controllerd.core.loadreport import ReportRule
+from controllerd.core.model import HashRange, Rates, TopicName
+from controllerd.core.view import Keys
+from controllerd.daemon.clock import ManualClock
+from controllerd.refbroker.kafka import Sampled, open_kafka
+from controllerd.refbroker.naming import key_hash, segment_topic, slice_starts
+from controllerd.refbroker.reporter import LoadReporter, hash_buckets
+from controllerd.refbroker.server import RefBroker
+
+
+@dataclass
+class Bench:
+    broker: RefBroker
+    reporter: LoadReporter
+    clock: ManualClock
+    store: Store
+    keys: Keys
+    bootstrap: str
+    topic: TopicName
+
+    async def produce(self, descriptor: str, keys: Sequence[bytes | None]) -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=5)
+        await producer.start()
+        try:
+            name = segment_topic(self.topic, descriptor)
+            futures = [await producer.send(name, b"v" * 20, key=k, partition=0) for k in keys]
+            for future in futures:
+                await future
+        finally:
+            await producer.stop()
+
+    async def record(self, segment_id: int) -> dict[str, Any] | None:
+        kv = await self.store.get(self.keys.load(self.topic, segment_id))
+        return None if kv is None else dict(json.loads(kv.value))
+
+    async def window(self, seconds: float, descriptor: str, keys: Sequence[bytes | None]) -> int:
+        """``keys`` produced during a window of ``seconds``; then one pass."""
+        await self.produce(descriptor, keys)
+        await self.clock.advance(seconds)
+        return await self.reporter.report_once()
+
+
+@contextlib.asynccontextmanager
+async def bench(
+    store: Store, etcd_prefix: str, bootstrap: str, *, split_msg_rate: float = 1000.0
+) -> AsyncIterator[Bench]:
+    cfg = config_mod.Config()
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd")
+    split_at = Rates(split_msg_rate, 1e12, 1e12, 1e12)
+    rule = ReportRule(split_at, cfg.policy.merge_thresholds)
+    clock = ManualClock()
+    async with open_kafka(bootstrap) as kafka:
+        broker = RefBroker(store, keys, kafka, clock)  # unfenced: the test seals by hand
+        reporter = LoadReporter(store, keys, kafka, rule, clock, 10.0, confirm_interval=5.0)
+        topic = TopicName("acme", "ns", f"t{uuid.uuid4().hex[:12]}")
+        yield Bench(broker, reporter, clock, store, keys, bootstrap, topic)
+
+
+def keys_in(start: int, end: int, count: int, prefix: str = "k") -> list[bytes]:
+    """``count`` distinct keys whose routing hash lies in ``[start, end]``."""
+    found = []
+    for i in itertools.count():
+        key = f"{prefix}{i}".encode()
+        if start <= key_hash(key) <= end:
+            found.append(key)
+            if len(found) == count:
+                return found
+    raise AssertionError("unreachable")
+
+
+def test_slices_follow_the_wire_format() -> None:
+    """Slice i is [start + (i*W)//n, start + ((i+1)*W)//n - 1], n = min(32, W)."""
+    for start, end in [(0, 0xFFFF), (0x8000, 0xFFFF), (5, 20), (7, 7), (100, 1100)]:
+        width = end - start + 1
+        n = min(32, width)
+        starts = slice_starts(start, end)
+        assert len(starts) == n
+        assert starts == [start + (i * width) // n for i in range(n)]
+        rng = HashRange(start, end)
+        for h in {start, end, (start + end) // 2, *starts}:
+            key = keys_in(h, h, 1, prefix=f"x{h}-")[0] if width <= 64 else None
+            if key is None:
+                continue
+            buckets = hash_buckets(rng, [Sampled(key, 1)], 10.0)
+            assert buckets is not None
+            i = buckets.index(10.0)
+            assert start + (i * width) // n <= h <= start + ((i + 1) * width) // n - 1
+
+
+async def test_a_hot_key_shows_in_its_slice(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    async with bench(store, etcd_prefix, kafka_broker) as b:
+        await b.broker.create_topic(b.topic, 2)
+        upper = "8000-ffff-1"
+        hot = keys_in(0x8000, 0xFFFF, 1, prefix="hot")[0]
+        cold = keys_in(0x8000, 0xFFFF, 50, prefix="cold")
+        skewed = [hot] * 400 + cold * 2  # 80% on one key
+        assert await b.reporter.report_once() == 0
+        assert await b.window(10.0, upper, skewed) == 2  # first records: written at once
+        record = await b.record(1)
+        assert record is not None
+        assert record["msgRateIn"] == pytest.approx(50.0)
+        buckets = record["hashBuckets"]
+        assert len(buckets) == 32 and all(v >= 0 for v in buckets)
+        assert sum(buckets) == pytest.approx(50.0, abs=0.01)  # every message had a key
+        starts = slice_starts(0x8000, 0xFFFF)
+        hot_slice = max(i for i, s in enumerate(starts) if s <= key_hash(hot))
+        assert buckets.index(max(buckets)) == hot_slice
+        assert buckets[hot_slice] >= 0.8 * 50.0
+        idle = await b.record(0)
+        assert idle is not None and idle["msgRateIn"] == 0.0
+        assert "hashBuckets" not in idle  # no keyed traffic, no histogram
+
+
+async def test_a_narrow_segment_has_one_slice_per_hash(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    async with bench(store, etcd_prefix, kafka_broker) as b:
+        await b.broker.create_topic(b.topic, 1)
+        await b.broker.split(b.topic, 0, [0x10, 0x20], None)  # child 1 is [0x0, 0xf]
+        narrow = "0000-000f-1"
+        keys = keys_in(0x3, 0x3, 3) + keys_in(0xC, 0xC, 1)
+        await b.reporter.report_once()
+        await b.window(10.0, narrow, [keys[0], keys[1], keys[2], keys[3]] * 5)
+        record = await b.record(1)
+        assert record is not None
+        assert record["hashBuckets"] == pytest.approx(
+            [0.0, 0.0, 0.0, 1.5] + [0.0] * 8 + [0.5] + [0.0] * 3
+        )
+
+
+async def test_keyless_traffic_publishes_no_histogram(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    async with bench(store, etcd_prefix, kafka_broker) as b:
+        await b.broker.create_topic(b.topic, 1)
+        await b.reporter.report_once()
+        await b.window(10.0, "0000-ffff-0", [None] * 30)
+        record = await b.record(0)
+        assert record is not None and record["msgRateIn"] == pytest.approx(3.0)
+        assert "hashBuckets" not in record
+
+
+async def test_a_change_is_written_once_a_window_lies_wholly_in_it(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    """A burst that starts inside a window is not reported as the mixture it reads."""
+    async with bench(store, etcd_prefix, kafka_broker, split_msg_rate=200.0) as b:
+        await b.broker.create_topic(b.topic, 1)
+        seg = "0000-ffff-0"
+        keys = keys_in(0, 0xFFFF, 100)
+        await b.reporter.report_once()
+        assert await b.window(10.0, seg, keys[:50]) == 1  # 5 msg/s: the first record
+        first = await b.record(0)
+        assert first is not None and first["msgRateIn"] == pytest.approx(5.0)
+        # the burst (70 msg/s) starts 4.3 s before the end of a 10 s window: reads 30 msg/s
+        assert await b.window(10.0, seg, (keys * 3)[:300]) == 0
+        assert b.reporter.held and b.reporter.next_interval() == 5.0
+        assert await b.record(0) == first  # the mixture is never written
+        # the next, shorter window lies wholly in the burst
+        assert await b.window(5.0, seg, (keys * 4)[:350]) == 1
+        burst = await b.record(0)
+        assert burst is not None and burst["msgRateIn"] == pytest.approx(70.0)
+        assert not b.reporter.held and b.reporter.next_interval() == 10.0
+        # a spike that does not last is never written
+        assert await b.window(10.0, seg, (keys * 20)[:2000]) == 0  # 200 msg/s
+        assert b.reporter.held
+        assert await b.window(5.0, seg, (keys * 4)[:350]) == 0  # back to 70 msg/s
+        assert not b.reporter.held
+        assert await b.record(0) == burst
