@@ -47,6 +47,7 @@ from controllerd.errors import (
     internal_error_line,
 )
 from controllerd.pipeline.cli import add_commands as add_pipeline_commands
+from controllerd.refbroker.options import add_arguments as add_refbroker_arguments
 
 EXIT_BAD_INPUT: Final = EXIT_USAGE
 """Former name of :data:`~controllerd.errors.EXIT_USAGE`, kept for importers."""
@@ -566,32 +567,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = add("refbroker", "run the reference broker (admin API over etcd + Kafka)")
-    p.add_argument("--etcd", default="http://127.0.0.1:2379", help="etcd endpoint URL")
-    p.add_argument("--kafka", default="127.0.0.1:9092", help="Kafka bootstrap host:port")
-    p.add_argument("--listen", default="127.0.0.1:8080", help="admin API host:port")
-    p.add_argument(
-        "--metadata-prefix",
-        default="/pulsar",
-        metavar="PREFIX",
-        help="etcd prefix of the topic metadata (default: /pulsar)",
-    )
-    p.add_argument(
-        "--leader-key",
-        help="controller leader key checked against X-Fencing-Token "
-        "(default: <controller_prefix>/<cluster>/leader from --config)",
-    )
-    p.add_argument(
-        "--report-interval",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="seconds between load measurements (default: 10)",
-    )
-    _file(
-        p.add_argument(
-            "--config", metavar="FILE", help="controllerd.toml: thresholds and [load_report] rules"
-        )
-    )
+    add_refbroker_arguments(p)  # one definition, shared with python -m controllerd.refbroker.main
+    for action in p._actions:
+        if action.dest in ("config", "token_file"):
+            _file(action)
     p.set_defaults(func=cmd_refbroker)
 
     p = add(
