@@ -55,6 +55,7 @@ from controllerd.core.layout import prune
 from controllerd.core.model import (
     Decision,
     HashRange,
+    Layout,
     LoadSample,
     Merge,
     ModelError,
@@ -166,6 +167,9 @@ class Controller:
         self.history = history if history is not None else collections.deque(maxlen=100)
         self._keys = view.keys
         self._scopes: dict[Scope, Leadership] = {}
+        self._scope_cache: dict[TopicName, int] = {}
+        self._granted: set[Scope] = set()  # scopes whose topics still need a first evaluation
+        self._scan = anyio.Event()
         # the work queue
         self._urgent: collections.deque[TopicName] = collections.deque()
         self._background: collections.deque[TopicName] = collections.deque()
@@ -194,7 +198,12 @@ class Controller:
     # -- scopes ---------------------------------------------------------------------------
 
     def scope_of(self, topic: TopicName) -> Scope:
-        return None if self._shards is None else shard_of(topic, self._shards)
+        if self._shards is None:
+            return None
+        shard = self._scope_cache.get(topic)
+        if shard is None:
+            shard = self._scope_cache[topic] = shard_of(topic, self._shards)
+        return shard
 
     def leadership_for(self, topic: TopicName) -> Leadership | None:
         """The leadership to act on ``topic`` with, only while it is valid."""
@@ -209,22 +218,37 @@ class Controller:
         return self._scopes
 
     def grant(self, scope: Scope, leadership: Leadership) -> None:
-        """We now lead ``scope``: evaluate every topic in it (in the background)."""
+        """We now lead ``scope``: evaluate every topic in it (in the background).
+
+        Grants arriving together (a replica claiming 128 shards) share one pass
+        over the topics, made by the ``scanner`` in slices.
+        """
         self._scopes[scope] = leadership
-        if self._running:
-            self._enqueue_all(scope)
+        self._granted.add(scope)
+        self._scan.set()
+        self._metrics.shards_owned.set(sum(1 for s in self._scopes if s is not None))
 
     def revoke(self, scope: Scope) -> None:
         """We no longer lead ``scope``: stop every evaluation in it at once."""
         self._scopes.pop(scope, None)
+        self._granted.discard(scope)
+        self._metrics.shards_owned.set(sum(1 for s in self._scopes if s is not None))
         for topic, cancel in list(self._in_flight.items()):
             if scope is None or self.scope_of(topic) == scope:
                 cancel.cancel()
 
-    def _enqueue_all(self, scope: Scope) -> None:
-        for topic in self.view.topics:
-            if scope is None or self.scope_of(topic) == scope:
-                self.trigger(topic, urgent=False)
+    async def _scanner(self) -> None:
+        """Queue every topic of newly granted scopes, one sliced pass per batch of grants."""
+        while True:
+            await self._scan.wait()
+            self._scan = anyio.Event()
+            granted, self._granted = self._granted, set()
+            everything = None in granted
+            for i, topic in enumerate(list(self.view.topics)):
+                if (everything or self.scope_of(topic) in granted) and self.leads(topic):
+                    self.trigger(topic, urgent=False)
+                if i % SLICE == SLICE - 1:
+                    await anyio.lowlevel.checkpoint()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -239,8 +263,7 @@ class Controller:
                 tg.start_soon(self._ticker, name="ticker")
                 tg.start_soon(self._gc_ticker, name="gc")
                 tg.start_soon(self._writer, name="state-writer")
-                for scope in list(self._scopes):
-                    self._enqueue_all(scope)
+                tg.start_soon(self._scanner, name="scanner")
                 self.ready.set()
         finally:
             self._running = False
@@ -264,14 +287,17 @@ class Controller:
         if outcome.kind == "layout" and outcome.topic is not None:
             self._layout_arrived(outcome.topic)
             self._policies.pop(outcome.topic, None)
+            if outcome.topic not in self.view.topics:  # deleted: forget what we kept
+                for memory in (self._scope_cache, self._attempts, self._awaiting):
+                    memory.pop(outcome.topic, None)
             self._metrics.topics.set(len(self.view.topics))
         if outcome.kind == "policy":
             self._policies.clear()
         if not outcome.trigger or not self._running:
             return
         if outcome.topic is None:
-            for scope in list(self._scopes):
-                self._enqueue_all(scope)
+            self._granted.update(self._scopes)  # an override changed: every led topic again
+            self._scan.set()
         elif not self.leads(outcome.topic):
             return
         elif outcome.kind == "consumer":
@@ -513,7 +539,7 @@ class Controller:
             else sample
             for sid, sample in samples.items()
         }
-        layout = state.layout
+        layout, revision = state.layout, state.layout_revision
         cooldown = state.effective_cooldown()
         decision: Decision
         if isinstance(policy, PolicyInvalid) and policy.detail == PULSAR_OWNS:
@@ -543,7 +569,9 @@ class Controller:
                 self._hold_back(topic, decision, cooldown, policy, now)
             return decision
         log.info("decision", **fields)
-        outcome = await self._act(topic, state, leadership, layout.epoch, decision, policy, now)
+        outcome = await self._act(
+            topic, state, leadership, (layout, revision), decision, policy, now
+        )
         self._record(topic, decision, outcome, now, state, leadership)
         return decision
 
@@ -627,17 +655,34 @@ class Controller:
         topic: TopicName,
         state: TopicState,
         leadership: Leadership,
-        decided_epoch: int,
+        decided: tuple[Layout, int],
         decision: Split | Merge,
         policy: PolicySettings | PolicyInvalid,
         now: int,
     ) -> str:
         op = decision.action
+        layout, revision = decided
+        decided_epoch = layout.epoch
         if not leadership.is_leader():
             return "not-leader"
         try:
-            layout = state.layout
-            assert layout is not None
+            # One read to prove the view is not behind etcd for this topic: a new
+            # leader or shard owner may not yet have seen its predecessor's last
+            # operation, and must not decide on the layout before it.
+            stored = await self._store.get(self._keys.layout(topic))
+        except StoreError as exc:
+            return self._failed(topic, decision, op, exc)
+        if stored is None or stored.mod_revision != revision:
+            log.info("operation.skipped", topic=str(topic), op=op, why="view behind etcd")
+            self._awaiting[topic] = (
+                decided_epoch,
+                self._clock.monotonic() + LAYOUT_CATCH_UP_SECONDS,
+            )
+            self._after(LAYOUT_CATCH_UP_SECONDS, topic, "stale-view")
+            return "stale-view"
+        if not leadership.is_leader():
+            return "not-leader"
+        try:
             if isinstance(decision, Split):
                 await self._broker.split(
                     topic,
@@ -702,8 +747,10 @@ class Controller:
         log.info("operation.done", topic=str(topic), op=op, token=leadership.token)
         return "ok"
 
-    def _failed(self, topic: TopicName, decision: Decision, op: str, exc: BrokerError) -> str:
-        outcome = exc.outcome
+    def _failed(
+        self, topic: TopicName, decision: Decision, op: str, exc: BrokerError | StoreError
+    ) -> str:
+        outcome = exc.outcome if isinstance(exc, BrokerError) else "etcd-unavailable"
         self._metrics.operations.labels(op=op, outcome=outcome).inc()
         body = decision_to_json(decision)
         attempt = self._attempts.get(topic)

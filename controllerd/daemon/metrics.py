@@ -81,6 +81,7 @@ OPERATION_OUTCOMES: Final = (
     "bug",
     "unauthorized",
     "unavailable",
+    "etcd-unavailable",
 )
 #: ``controllerd_metadata_rejected_total{kind}``: the kinds of etcd key whose
 #: values pass the parsing boundary (core/view.py); ``other`` for any other key.

@@ -33,6 +33,7 @@ def write_config(
     lease_ttl: int = 2,
     metadata_prefix: str | None = None,
     token_file: Path | None = None,
+    shards: int | None = None,
 ) -> Path:
     metadata = f"{prefix}pulsar" if metadata_prefix is None else metadata_prefix
     token = f'token_file = "{token_file}"' if token_file is not None else ""
@@ -44,6 +45,7 @@ metadata_prefix = "{metadata}"
 controller_prefix = "{prefix}controllerd"
 [election]
 lease_ttl_seconds = {lease_ttl}
+{f'mode = "sharded"{chr(10)}shards = {shards}' if shards else ""}
 [broker]
 admin_url = "{broker_url}"
 profile = "{profile}"
