@@ -900,9 +900,7 @@ class Controller:
         layout, revision = state.layout, state.layout_revision
         assert layout is not None
         topic, now = state.name, self._clock.now_ms()
-        retention = gc.resolve_retention(
-            self._config().gc.default_retention_seconds, layout, *self.view.overrides_for(topic)
-        )
+        retention = self._retention(state)
         verdicts: dict[int, gc.Verdict] = {}
         for seg in gc.candidates(layout, now, retention):
             backlogs: dict[str, int | None] = {}
@@ -976,6 +974,24 @@ class Controller:
         )
         for sid in chosen:
             await self._finish_delete(leadership, topic, layout.segments[sid].descriptor, sid)
+
+    def _retention(self, state: TopicState) -> float:
+        """Seconds a sealed segment of this topic is kept (negative: forever).
+
+        On Pulsar, where Pulsar keeps it: the namespace's ``retention_policies``,
+        else ``gc.default_retention_seconds`` (set it to the broker's
+        ``defaultRetentionTimeInMinutes``); topic-level retention lives in a
+        Pulsar system topic we cannot read. Otherwise: the layout property, then
+        our overrides, then the default.
+        """
+        config = self._config()
+        default = config.gc.default_retention_seconds
+        if config.broker.profile == "pulsar":
+            namespace = self.view.pulsar_namespace(state.name)
+            if namespace is not None and namespace.retention_seconds is not None:
+                return namespace.retention_seconds
+            return default
+        return gc.resolve_retention(default, state.layout, *self.view.overrides_for(state.name))
 
     async def _finish_delete(
         self, leadership: Leadership, topic: TopicName, descriptor: str, segment_id: int
