@@ -46,7 +46,14 @@ import structlog
 
 from controllerd.adapters import backoff
 from controllerd.adapters.audit import AuditSink
-from controllerd.adapters.broker import BrokerClient, BrokerError, Fenced, Known, Unauthorized
+from controllerd.adapters.broker import (
+    BrokerClient,
+    BrokerError,
+    Fenced,
+    Known,
+    Unaddressable,
+    Unauthorized,
+)
 from controllerd.adapters.election import Leadership
 from controllerd.adapters.store import Compare, Delete, Put, Store, StoreError
 from controllerd.config import Config
@@ -186,6 +193,7 @@ class Controller:
         # per-topic memory
         self._awaiting: dict[TopicName, tuple[int, float]] = {}
         self._attempts: dict[TopicName, _Attempt] = {}
+        self._unaddressable: set[TopicName] = set()
         self._policies: dict[TopicName, tuple[object, PolicySettings | PolicyInvalid]] = {}
         self._config_generation = 0
         self._config_seen: Config | None = None
@@ -290,6 +298,7 @@ class Controller:
             if outcome.topic not in self.view.topics:  # deleted: forget what we kept
                 for memory in (self._scope_cache, self._attempts, self._awaiting):
                     memory.pop(outcome.topic, None)
+                self._unaddressable.discard(outcome.topic)
             self._metrics.topics.set(len(self.view.topics))
         if outcome.kind == "policy":
             self._policies.clear()
@@ -522,6 +531,8 @@ class Controller:
         leadership = self.leadership_for(topic)
         if state is None or state.layout is None or leadership is None:
             return None
+        if topic in self._unaddressable:
+            return None  # its name cannot reach the broker: logged once, never retried
         awaited = self._awaiting.get(topic)
         if awaited is not None:
             if self._clock.monotonic() < awaited[1]:
@@ -719,6 +730,12 @@ class Controller:
             )
             leadership.lost.set()
             return exc.outcome
+        except Unaddressable as exc:
+            self._metrics.operations.labels(op=op, outcome=exc.outcome).inc()
+            if topic not in self._unaddressable:  # said once per topic; retrying cannot help
+                self._unaddressable.add(topic)
+                log.error("topic.unaddressable", topic=str(topic), error=str(exc))
+            return exc.outcome
         except BrokerError as exc:
             return self._failed(topic, decision, op, exc)
         self._attempts.pop(topic, None)
@@ -757,7 +774,13 @@ class Controller:
         failures = attempt.failures + 1 if attempt is not None and attempt.decision == body else 1
         self._attempts[topic] = _Attempt(body, failures)
         if isinstance(exc, Unauthorized):
+            # Not a retry on the backoff: only an operator can fix it. The next tick
+            # tries again, so a token fixed with a SIGHUP works without a restart.
             self._operator_error("broker-auth", str(exc))
+            log.warning(
+                "operation.failed", topic=str(topic), op=op, outcome=outcome, error=str(exc)
+            )
+            return outcome
         schedule = backoff.TOPIC_RETRY.capped_at(self._config().autoscale.interval_seconds)
         retry_in = schedule.delay(failures - 1)
         log.warning(

@@ -80,6 +80,7 @@ OPERATION_OUTCOMES: Final = (
     "precondition_failed",
     "bug",
     "unauthorized",
+    "unaddressable",
     "unavailable",
     "etcd-unavailable",
 )
