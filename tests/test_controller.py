@@ -460,3 +460,17 @@ async def test_on_pulsar_our_gc_is_off_by_default_and_reads_pulsars_retention(
         await h.controller.gc_round()
         stored = layout_from_json(await stored_json(h.store, h.keys.layout(TOPIC)))
         assert 0 not in stored.segments
+
+
+async def test_cold_since_of_a_record_without_time_stamps_is_persisted(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Pulsar's load records carry no time: a successor could not re-derive when the
+    segment became cold (it would restart the merge window at its own first sight)."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        await h.add_topic(segments=2)
+        start = h.clock.now_ms()
+        record = b'{"msgRateIn": 5.0, "bytesRateIn": 1.0, "msgRateOut": 0.0, "bytesRateOut": 0.0}'
+        await h.store.put(h.keys.load(TOPIC, 0), record)
+        kv = await _eventually_stored(h.store, h.keys.cold_since(TOPIC, 0))
+        assert int(kv) == start

@@ -341,7 +341,12 @@ class Controller:
         if cold != (held is not None or persisted is not None):
             return True  # a cold/warm transition
         # cold all along, but the record changed: the window must now be persisted
-        return cold and persisted is None and held is not None and held < sample.changed_at_ms
+        return (
+            cold
+            and persisted is None
+            and held is not None
+            and (held < sample.changed_at_ms or sample.sampled_at_ms is None)
+        )
 
     def _settle(self, topic: TopicName) -> None:
         """Evaluate after ``consumer_settle_seconds`` so a burst of registrations is one."""
@@ -626,9 +631,11 @@ class Controller:
         a new leader could not derive it.
 
         A new leader derives cold-since from the record's ``changedAtMs`` (or a
-        merge child's parents). Only when a cold segment's record is rewritten
-        while it stays cold (noisy low traffic), or a merge child inherits its
-        parents' window, does the value need etcd; writing it at every
+        merge child's parents) when the record carries its own time stamps.
+        Only when a cold segment's record is rewritten while it stays cold
+        (noisy low traffic), a merge child inherits its parents' window, or the
+        record has no time stamps (Pulsar's: its "changed at" is when this
+        replica first saw it) does the value need etcd; writing it at every
         transition would cost 1.6M writes at start on 100,000 cold topics.
         """
         layout = state.layout
@@ -648,7 +655,12 @@ class Controller:
                     since = inherited if inherited is not None else min(sample.changed_at_ms, now)
                     log.info("segment.cold", topic=str(state.name), segment=sid, since_ms=since)
                 table.set_cold(sid, since)
-                if persisted is None and since < min(sample.changed_at_ms, now):
+                # Derivable by a successor only from a record that carries its own time
+                # stamps; Pulsar's carry none (changed_at is when *we* first saw it).
+                derivable = sample.sampled_at_ms is not None and since >= min(
+                    sample.changed_at_ms, now
+                )
+                if persisted is None and not derivable:
                     self._write(self._keys.cold_since(state.name, sid), str(since).encode(), state)
                     state.cold_since[sid] = since
             else:
