@@ -70,7 +70,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controllerd.adapters.store import Compare, Put, Store, open_store
 from controllerd.core.model import TopicName
-from controllerd.core.shards import shard_of
+from controllerd.core.shards import assignment, shard_of
 from controllerd.core.view import Keys
 from tests.support.broker import (
     EtcdFence,
@@ -292,7 +292,8 @@ class Pool:
         self, members: Sequence[Replica], leaving: Sequence[Replica] = ()
     ) -> dict[str, set[int]] | None:
         """Ownership by slot name once every shard has exactly one owner among ``members``,
-        each of them sees exactly ``members`` as the members, and ``leaving`` own nothing."""
+        the one rendezvous hashing gives it over ``members``, each of them sees exactly
+        ``members`` as the members, and ``leaving`` own nothing."""
         owned: dict[str, set[int]] = {}
         seen: list[set[str]] = []
         for replica in members:
@@ -307,6 +308,13 @@ class Pool:
         counts = collections.Counter(s for shards in owned.values() for s in shards)
         if len(counts) != self.shards or any(n != 1 for n in counts.values()):
             return None
+        # ... and it is the final assignment, not a moment in the middle of the moves
+        # (a shard that must move but was not yet released is also owned exactly once).
+        target = assignment(self.shards, ids)
+        for replica in members:
+            mine = {s for s, owner in target.items() if owner == self.ids[replica.name]}
+            if owned[replica.name] != mine:
+                return None
         for replica in leaving:
             if not replica.alive():
                 continue
