@@ -34,7 +34,8 @@ because the bench also needs each mutation's answer (applied, refused by the
 layout, or fenced), which a thin ASGI wrapper records.
 
 Usage: python -m bench.shard_bench [--topics 2000] [--shards 256] [--ttl 2] [--rounds 3]
-       [--changes 50] [--write-rate 20] [--throughput-topics 20000] [--tick 0.2]
+       [--changes 50] [--write-rate 20] [--throughput-topics 20000]
+       [--throughput-ttl 10] [--tick 0.2]
        [--measure 15] [--phases distribution,rebalance,churn,throughput] [--seed 1] [--keep]
 """
 
@@ -701,15 +702,17 @@ WATCHED_EVENTS: Final = (
 )
 
 
-def replica_events(pool: Pool, since_wall: float) -> collections.Counter[str]:
-    """How often each of :data:`WATCHED_EVENTS` was logged by any replica since then."""
+def replica_events(
+    replicas: Sequence[Replica], since_wall: float, until_wall: float = float("inf")
+) -> collections.Counter[str]:
+    """How often each of :data:`WATCHED_EVENTS` was logged by these replicas in the window."""
     counts: collections.Counter[str] = collections.Counter()
-    for replica in pool.replicas:
+    for replica in replicas:
         for event in replica.log_events():
             name, stamp = event.get("event"), event.get("timestamp")
             if name not in WATCHED_EVENTS or not isinstance(stamp, str):
                 continue
-            if datetime.fromisoformat(stamp).timestamp() >= since_wall:
+            if since_wall <= datetime.fromisoformat(stamp).timestamp() <= until_wall:
                 counts[name] += 1
     return counts
 
@@ -772,7 +775,7 @@ def print_churn(
     for action in doubles[:10]:
         calls = [m for m in broker.mutations if m.action() == action and m.passed_fence]
         print(f"  double: {action} " + ", ".join(f"token {m.token} -> {m.status}" for m in calls))
-    events = replica_events(pool, since_wall)
+    events = replica_events(pool.replicas, since_wall)
     if events:
         print("replica log events: " + ", ".join(f"{name} {n}" for name, n in events.most_common()))
     by_kind: collections.Counter[str] = collections.Counter()
@@ -803,6 +806,7 @@ class PerReplica:
     topics: int
     cpu: float
     queued: int
+    lease_losses: int
 
 
 async def replica_sample(pool: Pool, replica: Replica) -> Sample:
@@ -818,17 +822,18 @@ async def measure(
     """Evaluations/s and CPU of every live replica over ``--measure`` seconds."""
     live = pool.live()
     before = [await replica_sample(pool, r) for r in live]
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     await anyio.sleep(ctx.args.measure)
     after = [await replica_sample(pool, r) for r in live]
-    elapsed = time.monotonic() - t0
+    elapsed, wall1 = time.monotonic() - t0, time.time()
     shards = ctx.args.shards
     per = []
     for r, b, a in zip(live, before, after, strict=True):
         led = sum(1 for t in topics if shard_of(t, shards) in owned[r.name])
         rate = (a.evaluations - b.evaluations) / elapsed
+        lost = replica_events([r], wall0, wall1)["membership.lease_lost"]
         per.append(
-            PerReplica(r.name, rate, led, (a.cpu - b.cpu) / elapsed, min(a.queued, b.queued))
+            PerReplica(r.name, rate, led, (a.cpu - b.cpu) / elapsed, min(a.queued, b.queued), lost)
         )
     return per
 
@@ -850,7 +855,7 @@ async def throughput(ctx: Context) -> None:
             "/tp/",
             broker.url,
             args.shards,
-            args.ttl,
+            args.throughput_ttl,
             f"[autoscale]\ninterval_seconds = {args.tick}\n",
         )
         try:
@@ -870,17 +875,19 @@ async def throughput(ctx: Context) -> None:
             await pool.close()
     print(
         f"\n## Throughput: {len(topics):,} topics, {args.shards} shards, every topic "
-        f"re-evaluated every {args.tick:g} s (interval_seconds), {args.measure:g} s windows"
+        f"re-evaluated every {args.tick:g} s (interval_seconds), lease TTL "
+        f"{args.throughput_ttl} s, {args.measure:g} s windows"
     )
     print(
         f"{'replicas':>8} {'evals/s':>9} {'vs 1':>6} {'CPU':>6} {'evals/CPU-s':>12}   "
-        "per replica: evals/s, topics owned, CPU, queue"
+        "per replica: evals/s, topics owned, CPU, queue, lease losses"
     )
     base = sum(p.rate for p in rows[0][1]) if rows else 1.0
     for n, per in rows:
         total, cpu = sum(p.rate for p in per), sum(p.cpu for p in per)
         detail = "; ".join(
-            f"{p.name} {p.rate:,.0f}/s {p.topics:,} {p.cpu:.0%} q{p.queued:,}" for p in per
+            f"{p.name} {p.rate:,.0f}/s {p.topics:,} {p.cpu:.0%} q{p.queued:,} L{p.lease_losses}"
+            for p in per
         )
         print(
             f"{n:>8} {total:>9,.0f} {total / base:>5.2f}x {cpu:>6.0%} "
@@ -889,7 +896,8 @@ async def throughput(ctx: Context) -> None:
     print(
         f"(asked for {len(topics) / args.tick:,.0f} evaluations/s in all; queue: topics waiting "
         "at the end of the window (the lower of two samples), above 0 = the replica was the "
-        "limit, not the ticker)"
+        "limit, not the ticker; L: leases lost in the window (all its shards dropped and "
+        "claimed again), which spoils the window)"
     )
 
 
@@ -993,6 +1001,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write-rate", type=float, default=20.0, help="writer ops/s in churn")
     parser.add_argument("--settle-timeout", type=float, default=60.0)
     parser.add_argument("--throughput-topics", type=int, default=20_000)
+    parser.add_argument(
+        "--throughput-ttl",
+        type=int,
+        default=10,
+        help="lease TTL of the throughput replicas (the default's; 2 s flaps under full CPU)",
+    )
     parser.add_argument("--tick", type=float, default=0.2, help="interval_seconds (throughput)")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds before measuring")
     parser.add_argument("--measure", type=float, default=15.0, help="seconds measured")
