@@ -12,13 +12,16 @@ Prints four tables:
    3 replicas (from each replica's ``/status``).
 2. **Rebalance time**, idle, ``--rounds`` times each: from the event (process
    start, SIGTERM, ``kill -9``) until every shard is owned by exactly one live
-   replica and every live replica sees the same members, read from each
-   replica's ``/status``; also how many shards moved and whether only the
-   shards that had to move did.
+   replica, the one rendezvous hashing gives it over the live replicas (one
+   owner per shard also holds halfway through a move), and every live replica
+   sees the same members, read from each replica's ``/status``; also how many
+   shards moved and whether only the shards that had to move did.
 3. **Churn**: ``--changes`` forced membership changes (``kill -9``; SIGTERM and
    restart; SIGSTOP until the others took its shards, then SIGCONT; a fresh
    replica joining) while a writer keeps making topics hot or cold (new topics,
-   hot and cold load records), so every shard has splits and merges to do.
+   hot and cold load records), so every shard has splits and merges to do;
+   just before each signal the victim is given splits on its own shards, so
+   the change may catch it deciding or with a request in flight.
    A *double action* is a split or merge of one segment that got past the fence
    twice, or a fenced call with an older token accepted after a newer one on the
    same shard key; the target is 0. Calls the broker refused as stale are
@@ -27,7 +30,9 @@ Prints four tables:
    ``controllerd_evaluation_duration_seconds_count`` in each replica's
    /metrics) for 1, 2 and 3 replicas on the same ``--throughput-topics``
    topics, every topic kept busy by a short ``[autoscale] interval_seconds``
-   (``--tick``), so that the replicas, not the ticker, are the limit.
+   (``--tick``), so that the replicas, not the ticker, are the limit. These
+   replicas use the default lease TTL (``--throughput-ttl 10``): at 2 s, a
+   replica starved of CPU loses its lease now and then, which spoils a window.
 
 The broker is served here rather than with ``tests.support.broker.serve_test_broker``
 because the bench also needs each mutation's answer (applied, refused by the
@@ -94,8 +99,8 @@ COLD: Final = 10.0
 POLL: Final = 0.02
 #: Keys per etcd transaction when loading topics (etcd allows 128 operations).
 BATCH: Final = 100
-#: Statuses that mean the fence refused the call (409 fenced, 428 no token, 400 bad key).
-FENCE_REFUSALS: Final = frozenset({400, 409, 428})
+#: Error codes of the test broker's fence (tests/support/broker.py ``_check_etcd_fence``).
+FENCE_CODES: Final = frozenset({"fenced", "fencing-required", "bad-fencing-key"})
 
 
 # -- the broker, with every mutation's answer recorded ------------------------------------
@@ -110,11 +115,13 @@ class Mutation:
     token: int | None
     key: str | None
     status: int
+    code: str | None
+    """The error body's ``code``, if any."""
     at: float
 
     @property
     def passed_fence(self) -> bool:
-        return self.status not in FENCE_REFUSALS
+        return self.code not in FENCE_CODES
 
     def action(self) -> tuple[str, ...] | None:
         """``(op, topic, segment ids...)`` for a split or merge, else None."""
@@ -137,18 +144,23 @@ class _RecordMutations:
             await self.app(scope, receive, send)
             return
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        status = 0
+        status, body = 0, b""
 
         async def capture(message: Message) -> None:
-            nonlocal status
+            nonlocal status, body
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+            elif message["type"] == "http.response.body" and status >= 400:
+                body += message.get("body", b"")
             await send(message)
 
         try:
             await self.app(scope, receive, capture)
         finally:
             raw = headers.get("x-fencing-token")
+            code = None
+            with contextlib.suppress(ValueError, AttributeError):
+                code = json.loads(body).get("code") if body else None
             self.into.append(
                 Mutation(
                     scope["method"],
@@ -156,6 +168,7 @@ class _RecordMutations:
                     int(raw) if raw is not None and raw.isdigit() else None,
                     headers.get("x-fencing-key"),
                     status,
+                    code,
                     time.monotonic(),
                 )
             )
@@ -451,6 +464,22 @@ def print_distribution(
         f"topics per shard: min {min(per_shard.values(), default=0)}, "
         f"max {max(per_shard.values(), default=0)}, mean {len(topics) / shards:.1f}"
     )
+    spread = expected_spread(shards, n, random.Random(ctx.args.seed))
+    print(
+        f"(rendezvous over {n} random replica names, {len(spread)} draws: shards max/mean "
+        f"median {spread[len(spread) // 2]:.3f}, p90 {spread[len(spread) * 9 // 10]:.3f}, "
+        f"max {spread[-1]:.3f}; replica names are host-pid, so each run draws anew)"
+    )
+
+
+def expected_spread(shards: int, members: int, rng: random.Random, draws: int = 200) -> list[float]:
+    """Sorted max/mean shards per member, for random member names: what luck alone gives."""
+    out = []
+    for _ in range(draws):
+        names = [f"host-{rng.randrange(1 << 22)}" for _ in range(members)]
+        counts = collections.Counter(assignment(shards, names).values())
+        out.append(max(counts.values()) / (shards / members))
+    return sorted(out)
 
 
 async def timed_kill(ctx: Context, pool: Pool, log: MemberLog, within: float) -> None:
