@@ -54,6 +54,9 @@ log = structlog.get_logger(__name__)
 
 #: Seconds the shielded release of every shard may take when we stop.
 RELEASE_TIMEOUT = 2.0
+#: Shard keys released or claimed at once in one rebalance. Each is one etcd round
+#: trip; one at a time, a move of 80 shards costs 80 round trips in a row.
+MOVE_CONCURRENCY = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,23 +225,46 @@ class ShardMembership:
         self.rebalances += 1
         live = self.members | {self.replica}
         mine = {s for s, owner in assignment(self.shards, live).items() if owner == self.replica}
-        for shard in sorted(set(self.owned) - mine):
-            leadership = self.owned[shard]
-            self._lose(shard, "moved")  # stop acting first ...
-            try:  # ... then let the new owner in
+        leaving = {shard: self.owned[shard].token for shard in sorted(set(self.owned) - mine)}
+        for shard in leaving:
+            self._lose(shard, "moved")  # stop acting on every one first ...
+        limiter = anyio.CapacityLimiter(MOVE_CONCURRENCY)
+        async with anyio.create_task_group() as tg:  # ... then let the new owners in
+            for shard, token in leaving.items():
+                tg.start_soon(self._release, shard, token, limiter)
+        claimable = [
+            shard
+            for shard in sorted(mine - set(self.owned))
+            # a key the old owner still holds: its delete (or its lease's end) wakes us
+            if (holder := self._holders.get(shard)) is None or holder.lease == lease.id
+        ]
+        failed: list[StoreError] = []
+        async with anyio.create_task_group() as tg:
+            for shard in claimable:
+                tg.start_soon(self._claim_limited, shard, lease, limiter, failed)
+        if failed:
+            raise failed[0]  # as one claim at a time would: rejoin after a backoff
+
+    async def _release(self, shard: int, token: int, limiter: anyio.CapacityLimiter) -> None:
+        async with limiter:
+            try:
                 await self._store.txn(
-                    [Compare.create_revision(self._shard_key(shard), leadership.token)],
+                    [Compare.create_revision(self._shard_key(shard), token)],
                     [Delete(self._shard_key(shard))],
                 )
             except StoreError as exc:
                 log.warning("shard.release_failed", shard=shard, error=str(exc))
-        for shard in sorted(mine - set(self.owned)):
-            if not lease.alive():
+
+    async def _claim_limited(
+        self, shard: int, lease: _Lease, limiter: anyio.CapacityLimiter, failed: list[StoreError]
+    ) -> None:
+        async with limiter:
+            if not lease.alive() or failed:
                 return
-            holder = self._holders.get(shard)
-            if holder is not None and holder.lease != lease.id:
-                continue  # the old owner still holds it: its delete (or lease) wakes us
-            await self._claim(shard, lease)
+            try:
+                await self._claim(shard, lease)
+            except StoreError as exc:
+                failed.append(exc)
 
     async def _claim(self, shard: int, lease: _Lease) -> None:
         key = self._shard_key(shard)

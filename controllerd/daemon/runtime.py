@@ -239,18 +239,25 @@ class Daemon:
         return body
 
     def _report(self) -> None:
-        """Readiness to systemd and the metrics, whenever it changes."""
+        """Readiness to systemd and the metrics, whenever it changes.
+
+        ``STATUS=`` follows the role at every change (e.g. the count of shards owned);
+        the log line only when readiness or the reason for not being ready changes, not
+        at each of the hundreds of shard grants of a rebalance.
+        """
         reason = self.not_ready_reason()
-        state = (reason is None, reason or self._role())
+        shown = reason or self._role()
+        state = (reason is None, shown)
         if state == self._reported:
             return
-        first_ready = reason is None and (self._reported is None or not self._reported[0])
-        self._reported = state
+        previous, self._reported = self._reported, state
+        first_ready = reason is None and (previous is None or not previous[0])
         self.metrics.set_readiness(self._reason_code(reason))
-        sdnotify.status(reason or self._role())
+        sdnotify.status(shown)
         if first_ready:
             sdnotify.ready()
-        log.info("daemon.readiness", ready=reason is None, reason=reason or self._role())
+        if reason is not None or first_ready:
+            log.info("daemon.readiness", ready=reason is None, reason=shown)
 
     def _reason_code(self, reason: str | None) -> str | None:
         """The ``controllerd_not_ready_reason`` label of a reason (a closed set)."""
