@@ -175,6 +175,7 @@ class Controller:
         self._keys = view.keys
         self._scopes: dict[Scope, Leadership] = {}
         self._scope_cache: dict[TopicName, int] = {}
+        self._by_shard: dict[int, set[TopicName]] = {}
         self._granted: set[Scope] = set()  # scopes whose topics still need a first evaluation
         self._scan = anyio.Event()
         # the work queue
@@ -251,9 +252,8 @@ class Controller:
             await self._scan.wait()
             self._scan = anyio.Event()
             granted, self._granted = self._granted, set()
-            everything = None in granted
-            for i, topic in enumerate(list(self.view.topics)):
-                if (everything or self.scope_of(topic) in granted) and self.leads(topic):
+            for i, topic in enumerate(self._topics_in(granted)):
+                if self.leads(topic):
                     self.trigger(topic, urgent=False)
                 if i % SLICE == SLICE - 1:
                     await anyio.lowlevel.checkpoint()
@@ -295,6 +295,7 @@ class Controller:
         if outcome.kind == "layout" and outcome.topic is not None:
             self._layout_arrived(outcome.topic)
             self._policies.pop(outcome.topic, None)
+            self._index(outcome.topic)
             if outcome.topic not in self.view.topics:  # deleted: forget what we kept
                 for memory in (self._scope_cache, self._attempts, self._awaiting):
                     memory.pop(outcome.topic, None)
@@ -347,6 +348,17 @@ class Controller:
             and held is not None
             and (held < sample.changed_at_ms or sample.sampled_at_ms is None)
         )
+
+    def _index(self, topic: TopicName) -> None:
+        """Keep the per-shard topic index (sharded mode) in step with the view."""
+        if self._shards is None:
+            return
+        shard = self.scope_of(topic)
+        assert shard is not None
+        if topic in self.view.topics:
+            self._by_shard.setdefault(shard, set()).add(topic)
+        else:
+            self._by_shard.get(shard, set()).discard(topic)
 
     def _settle(self, topic: TopicName) -> None:
         """Evaluate after ``consumer_settle_seconds`` so a burst of registrations is one."""
@@ -464,7 +476,7 @@ class Controller:
         while True:
             await self._clock.sleep(self._config().autoscale.interval_seconds)
             led = pulsar_owned = 0
-            for i, topic in enumerate(list(self.view.topics)):
+            for i, topic in enumerate(self._topics_in(self._scopes)):
                 if self.leads(topic):
                     led += 1
                     self.trigger(topic, urgent=False)
@@ -911,7 +923,7 @@ class Controller:
                 await self._finish_delete(
                     leadership, marker.topic, marker.descriptor, marker.segment_id
                 )
-        for i, topic in enumerate(list(self.view.topics)):
+        for i, topic in enumerate(self._topics_in(self._scopes)):
             if i % SLICE == SLICE - 1:
                 await anyio.lowlevel.checkpoint()
             leadership = self.leadership_for(topic)
@@ -1072,9 +1084,18 @@ class Controller:
         }
 
     def _led_topics(self) -> Iterable[TopicName]:
-        if None in self._scopes:
-            return iter(self.view.topics)
-        return (t for t in self.view.topics if self.scope_of(t) in self._scopes)
+        return self._topics_in(self._scopes)
+
+    def _topics_in(self, scopes: Iterable[Scope]) -> list[TopicName]:
+        """A snapshot of the topics in ``scopes`` (every topic for scope ``None``).
+
+        In sharded mode from the per-shard index, so a replica owning 1/N of the
+        shards walks 1/N of the topics.
+        """
+        wanted = set(scopes)
+        if None in wanted or self._shards is None:
+            return list(self.view.topics) if wanted else []
+        return [t for s in wanted if s is not None for t in self._by_shard.get(s, ())]
 
 
 def _over(rates: Any, limits: Any) -> bool:
