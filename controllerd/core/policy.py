@@ -409,7 +409,7 @@ def _greedy(
             rest = remaining - widths[i]
             if rest != 0 and rest < min_width:
                 if load + sum(loads[i:]) <= limit:  # the whole tail fits: take it
-                    return cuts + [first] if first > 0 else cuts
+                    return [*cuts, first] if first > 0 else cuts
                 break
             width += widths[i]
             load += loads[i]
@@ -893,6 +893,52 @@ def decide(
     return blocked or NoAction("balanced", f"{n} active segments; no split or merge is due")
 
 
+def may_act(
+    layout: Layout,
+    loads: Mapping[int, LoadSample],
+    consumers: Mapping[str, int],
+    policy: PolicySettings | PolicyInvalid,
+) -> bool:
+    """False only when ``decide`` answers NoAction with these inputs at *any* time.
+
+    Every operation needs a record over a split threshold, more consumers than
+    segments, or two adjacent records below every merge threshold; time only
+    gates them. A cheap pre-check for callers that re-evaluate on every change
+    (the backtest's replay): kept beside ``decide`` so the two change together.
+    """
+    if isinstance(policy, PolicyInvalid) or not policy.enabled:
+        return False
+    active = layout.active_segments()
+    if max(consumers.values(), default=0) > len(active):
+        return True
+    s, m = policy.split_thresholds, policy.merge_thresholds
+    merging = len(active) > policy.min_segments
+    was_cold = False
+    for seg in active:
+        sample = loads.get(seg.segment_id)
+        if sample is None:
+            was_cold = False
+            continue
+        r = sample.rates
+        if (
+            r.msg_rate_in > s.msg_rate_in
+            or r.byte_rate_in > s.byte_rate_in
+            or r.msg_rate_out > s.msg_rate_out
+            or r.byte_rate_out > s.byte_rate_out
+        ):
+            return True
+        cold = (
+            r.msg_rate_in < m.msg_rate_in
+            and r.byte_rate_in < m.byte_rate_in
+            and r.msg_rate_out < m.msg_rate_out
+            and r.byte_rate_out < m.byte_rate_out
+        )
+        if merging and cold and was_cold:
+            return True
+        was_cold = cold
+    return False
+
+
 def next_decision_ms(
     layout: Layout,
     loads: Mapping[int, LoadSample],
@@ -1010,11 +1056,8 @@ class TopicHistory:
         window_ms = policy.peak_window_seconds * 1000.0
         if state is None or window_ms <= 0:
             return None
-        values = []
-        for queue in state.peaks:
-            while queue and queue[0][0] < now_ms - window_ms:
-                queue.popleft()
-            values.append(queue[0][1] if queue else 0.0)
+        _expire(state, now_ms - window_ms)
+        values = [queue[0][1] if queue else 0.0 for queue in state.peaks]
         if not any(state.peaks):
             return None
         return Rates(*values)
@@ -1024,6 +1067,8 @@ class TopicHistory:
         window_ms = policy.peak_window_seconds * 1000.0
         if window_ms <= 0:
             return None
+        for state in self._ranges.values():
+            _expire(state, now_ms - window_ms)
         heads = [q[0][0] for r in self._ranges.values() for q in r.peaks if q]
         if not heads:
             return None
@@ -1072,6 +1117,10 @@ class TopicHistory:
             merged = after.segments[decision.a].child_ids
             children = merged[:1]
         states = [self._ranges.get(p) for p in parents]
+        window_ms = policy.peak_window_seconds * 1000.0
+        for state in states:
+            if state is not None:
+                _expire(state, now_ms - window_ms)
         flipflop = False
         counts: list[int] = []
         lasts: list[int] = []
@@ -1115,6 +1164,13 @@ class TopicHistory:
         for pid in parents:
             self._ranges.pop(pid, None)
         return flipflop
+
+
+def _expire(state: _Range, oldest_ms: float) -> None:
+    """Drop the peaks recorded before ``oldest_ms``: they left the window."""
+    for queue in state.peaks:
+        while queue and queue[0][0] < oldest_ms:
+            queue.popleft()
 
 
 def _child_shares(
