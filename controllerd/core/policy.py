@@ -421,7 +421,33 @@ def _greedy(
     return cuts
 
 
+def _two(widths: Sequence[int], loads: Sequence[float], min_width: int) -> list[int] | None:
+    """The one cut (both sides at least ``min_width``) with the lighter heavier side."""
+    total_w, total = sum(widths), sum(loads)
+    best: tuple[float, int] | None = None
+    width = 0
+    load = 0.0
+    for i in range(len(widths) - 1):
+        width += widths[i]
+        load += loads[i]
+        if width >= min_width and total_w - width >= min_width:
+            key = (max(load, total - load), i + 1)
+            if best is None or key < best:
+                best = key
+    return [best[1]] if best is not None else None
+
+
 def _balanced(
+    widths: Sequence[int], loads: Sequence[float], children: int, min_width: int
+) -> list[int] | None:
+    """Cuts into 2..``children`` children minimising the largest child load (bisection)."""
+    cuts = _balanced_any(widths, loads, children, min_width)
+    if cuts is not None and not cuts and children >= 2:
+        return _two(widths, loads, min_width)
+    return cuts
+
+
+def _balanced_any(
     widths: Sequence[int], loads: Sequence[float], children: int, min_width: int
 ) -> list[int] | None:
     """Cuts into at most ``children`` children minimising the largest child load (bisection)."""
@@ -472,7 +498,7 @@ def _isolated(
     pieces: list[list[int]] = []  # [first, last, hot]
     pos = 0
     for first, last in sorted(blocks):
-        if pieces and pieces[-1][2] and first <= pieces[-1][1] + 1:
+        if pieces and pieces[-1][2] and first <= pieces[-1][1]:  # overlapping hot blocks
             pieces[-1][1] = max(pieces[-1][1], last)
             pos = pieces[-1][1] + 1
             continue
@@ -535,7 +561,7 @@ def plan_split(
     loads = [w / total * score for w in weights]
     cuts: list[int] | None = None
     if max(loads) > 1.0:
-        cuts = _isolated(widths, loads, max_children, min_width)
+        cuts = _isolated(widths, loads, max_children, min_width) or None
     if cuts is None:
         fewest = _greedy(widths, loads, 1.0, min_width)
         want = max_children if fewest is None else max(2, min(max_children, len(fewest) + 1))

@@ -392,7 +392,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     metrics = report.write_metrics(results, out / "metrics.csv")
     names = [t.name for t in traces]
-    result = tune.cross_validate(metrics, [v.name for v in candidates], folds, names)
+    if scheme == "time":
+        groups = {
+            t.name: groups[t.name.removesuffix(tune.TRAIN).removesuffix(tune.TEST)] for t in traces
+        }
+    result = tune.cross_validate(metrics, [v.name for v in candidates], folds, names, groups=groups)
     chosen = next(v for v in candidates if v.name == result.final.variant)
     snippet = tune.toml_snippet(chosen)
     run_info = _run_info(args, options, names, variants)

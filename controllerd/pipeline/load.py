@@ -311,11 +311,25 @@ class SeriesLoad:
         self._t = t_ms
         self._totals = totals
         spread_times, spreads = moves if moves is not None else ([t_ms[0]], [spread])
-        # One change per distinct row time and per move, each with its (row, spread).
-        events: dict[int, None] = dict.fromkeys(sorted({*t_ms, *spread_times}))
-        self._times = [t for t in events if t_ms[0] <= t <= t_ms[-1]]
-        self._rows = [bisect.bisect_right(t_ms, t) - 1 for t in self._times]
-        self._spreads = [spreads[bisect.bisect_right(spread_times, t) - 1] for t in self._times]
+        # One change per row time and per move at which the (totals, spread) differ from
+        # before: a row repeating the previous values changes nothing.
+        self._times: list[int] = []
+        self._rows: list[int] = []
+        self._spreads: list[Spread] = []
+        for t in sorted({*t_ms, *spread_times}):
+            if not t_ms[0] <= t <= t_ms[-1]:
+                continue
+            row = bisect.bisect_right(t_ms, t) - 1
+            spread_now = spreads[bisect.bisect_right(spread_times, t) - 1]
+            if (
+                self._rows
+                and totals[row] == totals[self._rows[-1]]
+                and (spread_now is self._spreads[-1])
+            ):
+                continue
+            self._times.append(t)
+            self._rows.append(row)
+            self._spreads.append(spread_now)
 
     @property
     def start_ms(self) -> int:
@@ -429,7 +443,7 @@ class HistoryLoad:
 
     def __init__(self, trace: Trace) -> None:
         self._trace = trace
-        self._times = sorted(set(trace.t_ms))
+        self._times = _history_changes(trace)
         self._pieces = _Pieces()
         self._row = 0
         self._index = -1
@@ -451,14 +465,8 @@ class HistoryLoad:
             raise ValueError("history snapshots must be read in time order")
         if index != self._index or self._snap is None:
             tr, t = self._trace, self._times[index]
-            buckets = tr.buckets
             while self._row < len(tr.t_ms) and tr.t_ms[self._row] <= t:
-                row = self._row
-                hist = buckets[row] if buckets is not None else None
-                if hist:
-                    self._pieces.put_histogram(tr.start[row], tr.end[row], tr.rates[row], hist)
-                else:
-                    self._pieces.put(tr.start[row], tr.end[row], tr.rates[row])
+                _put_row(self._pieces, tr, self._row)
                 self._row += 1
             self._index = index
             self._snap = _HistorySnapshot(self._pieces.copy())
@@ -466,6 +474,31 @@ class HistoryLoad:
 
     def snapshots(self, step_ms: int) -> Iterator[tuple[int, Snapshot]]:
         return _steps(HistoryLoad(self._trace), step_ms)
+
+
+def _put_row(pieces: _Pieces, trace: Trace, row: int) -> None:
+    hist = trace.buckets[row] if trace.buckets is not None else None
+    if hist:
+        pieces.put_histogram(trace.start[row], trace.end[row], trace.rates[row], hist)
+    else:
+        pieces.put(trace.start[row], trace.end[row], trace.rates[row])
+
+
+def _history_changes(trace: Trace) -> list[int]:
+    """The row times after which the load differs from before (a recorder records every
+    heartbeat, and a heartbeat re-puts what is there)."""
+    pieces = _Pieces()
+    times: list[int] = []
+    row, n = 0, len(trace.t_ms)
+    while row < n:
+        t = trace.t_ms[row]
+        before = (list(pieces.starts), list(pieces.ends), list(pieces.rates))
+        while row < n and trace.t_ms[row] == t:
+            _put_row(pieces, trace, row)
+            row += 1
+        if not times or before != (pieces.starts, pieces.ends, pieces.rates):
+            times.append(t)
+    return times
 
 
 def source_for(trace: Trace, skew: Skew, seed: int) -> LoadSource:

@@ -10,10 +10,12 @@ resulting ``metrics.csv`` and happens on the driver.
 the baseline's totals on the same traces, on the issue's four targets: excess
 load cut by at least 50%, at most 1.25x the segment-hours, fewer operations,
 flip-flops at most 5% of the baseline's. Each target gives a *slack*, scaled
-so that 0 is the bar and 1 is as good as it gets (no excess load, the
-baseline's cost, no operations, no flip-flops). The candidate with the largest
+so that 0 is the bar and 1 is as good as it needs to be (no excess load, the
+baseline's cost, half its operations, no flip-flops). The candidate with the largest
 *smallest* slack wins: it meets every target with the widest margin, which is
-what has to survive traffic it was not chosen on. Ties go to fewer
+what has to survive traffic it was not chosen on. When the traces come from
+several ``--traces`` paths (trace sets), the smallest slack is taken over the
+sets, each on its own totals: the targets hold per set. Ties go to fewer
 segment-hours, then to the earlier candidate.
 
 **Cross-validation.** The choice is made on training traces and reported on
@@ -113,9 +115,11 @@ def score(
     allowed_ff = t.max_flipflop_share * base_ff
     slack = {
         "excess": (cut - t.min_excess_cut) / (1.0 - t.min_excess_cut),
-        "cost": (t.max_cost_ratio - ratio) / (t.max_cost_ratio - 1.0),
-        # "fewer": the bar is one operation less than the baseline's.
-        "operations": (base_ops - 1 - ops) / base_ops if base_ops else (1.0 if ops == 0 else -1.0),
+        "cost": min(1.0, (t.max_cost_ratio - ratio) / (t.max_cost_ratio - 1.0)),
+        # "fewer": the bar is one operation less than the baseline's; half as many is 1.
+        "operations": min(1.0, (base_ops - 1 - ops) / (base_ops / 2))
+        if base_ops
+        else (1.0 if ops == 0 else -1.0),
         "flipflops": (allowed_ff - ff) / allowed_ff
         if allowed_ff > 0
         else (1.0 if ff == 0 else -ff),
@@ -128,12 +132,25 @@ def choose(
     candidates: Sequence[str],
     traces: Sequence[str],
     baseline: str = BASELINE,
+    groups: Mapping[str, str] | None = None,
 ) -> Score:
-    """The candidate with the largest smallest slack on ``traces`` (see the module docstring)."""
-    scores = [score(metrics, c, traces, baseline) for c in candidates]
+    """The candidate with the largest smallest slack on ``traces`` (see the module docstring).
+
+    With ``groups`` (trace -> trace set), the slack is the smallest over the sets
+    among ``traces``, each scored on its own totals: the targets hold per set,
+    so one set's big trace cannot hide another set's misses.
+    """
+    sets: dict[str, list[str]] = {}
+    for t in traces:
+        sets.setdefault(groups.get(t, "") if groups else "", []).append(t)
     order = {c: i for i, c in enumerate(candidates)}
     cost = {c: _totals(metrics, c, traces)["segment_hours"] for c in candidates}
-    return max(scores, key=lambda s: (s.worst, -cost[s.variant], -order[s.variant]))
+    worst = {
+        c: min(score(metrics, c, members, baseline).worst for members in sets.values())
+        for c in candidates
+    }
+    best = max(candidates, key=lambda c: (worst[c], -cost[c], -order[c]))
+    return score(metrics, best, traces, baseline)
 
 
 def folds_for(scheme: str, traces: Sequence[Trace], groups: Mapping[str, str]) -> list[Fold]:
@@ -219,12 +236,16 @@ def cross_validate(
     folds: Sequence[Fold],
     everything: Sequence[str],
     baseline: str = BASELINE,
+    groups: Mapping[str, str] | None = None,
 ) -> TuneResult:
-    """Choose per fold on its training traces, score on its held-out ones, and pool them."""
+    """Choose per fold on its training traces, score on its held-out ones, and pool them.
+
+    ``groups`` (trace -> trace set) makes every choice meet the targets per set.
+    """
     results = []
     pooled_rows = []
     for fold in folds:
-        best = choose(metrics, candidates, fold.train, baseline)
+        best = choose(metrics, candidates, fold.train, baseline, groups)
         held = score(metrics, best.variant, fold.test, baseline)
         results.append(FoldResult(fold, best.variant, best, held))
         test = metrics[metrics["trace"].isin(list(fold.test))]
@@ -235,7 +256,7 @@ def cross_validate(
     pooled = score(pooled_frame, "held-out", held_out, baseline)
     time_cv = len(folds) == 1 and folds[0].name == "time"
     final_traces = list(folds[0].train) if time_cv else list(everything)
-    final = choose(metrics, candidates, final_traces, baseline)
+    final = choose(metrics, candidates, final_traces, baseline, groups)
     final_held = score(metrics, final.variant, folds[0].test, baseline) if time_cv else None
     return TuneResult(results, pooled, final, final_held)
 
