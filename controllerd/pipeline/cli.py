@@ -191,6 +191,21 @@ def operator_errors(
     return run
 
 
+def _require(args: argparse.Namespace, *modules: str) -> None:
+    """Import what the run will need before it starts, not after minutes of replay."""
+    import importlib
+
+    wanted = [*modules, "pandas", "pyarrow"]
+    if getattr(args, "engine", "local") == "spark":
+        wanted.append("pyspark")
+    if not getattr(args, "no_plots", True):
+        wanted.append("matplotlib")
+    if not getattr(args, "no_progress", True) and sys.stderr.isatty():
+        wanted.append("tqdm")
+    for name in wanted:
+        importlib.import_module(name)
+
+
 class Progress:
     """``(done, total)`` reports: a tqdm bar on a terminal, else a line per step of progress."""
 
@@ -336,6 +351,7 @@ def _execute(
 @operator_errors
 def cmd_backtest(args: argparse.Namespace) -> int:
     """Replay every trace under every variant; write metrics, operations, report, plots."""
+    _require(args)
     from controllerd.pipeline import report
 
     options, traces, histories, _ = _inputs(args, defer_history=args.engine == "spark")
@@ -358,6 +374,7 @@ def cmd_backtest(args: argparse.Namespace) -> int:
 @operator_errors
 def cmd_tune(args: argparse.Namespace) -> int:
     """Choose a grid variant by cross-validation; write tune.md and print the TOML."""
+    _require(args)
     from controllerd.pipeline import report, tune
     from controllerd.pipeline.variants import Variant, pip483
 
@@ -439,6 +456,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise OperatorError(f"{path}: {exc.errors[-1]}") from None
     except OSError as exc:
         raise OperatorError(f"{path}: {exc.strerror or exc}", setting="--config") from None
+    _require(args)
     from controllerd.pipeline.recorder import record_from_config
 
     counts = anyio.run(record_from_config, cfg, Path(args.out), args.duration, args.flush_seconds)

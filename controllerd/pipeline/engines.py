@@ -78,6 +78,7 @@ _TIMELINE_DDL: Final = ", ".join(
         ("load", "array<double>"),
         ("hottest", "array<double>"),
         ("segments", "array<int>"),
+        ("segments_mean", "array<double>"),
     )
 )
 RESULT_DDL: Final = (
@@ -177,6 +178,7 @@ def result_frame(trace: str, variant: str, result: SimResult) -> pd.DataFrame:
         row[f"{prefix}_load"] = [float(x) for x in timeline.load]
         row[f"{prefix}_hottest"] = [float(x) for x in timeline.hottest]
         row[f"{prefix}_segments"] = [int(x) for x in timeline.segments]
+        row[f"{prefix}_segments_mean"] = [float(x) for x in timeline.segments_mean]
     row["operations_json"] = json.dumps([asdict(op) for op in result.operations])
     return pd.DataFrame([row])
 
@@ -188,6 +190,7 @@ def timeline_of(row: Mapping[str, Any], prefix: str = "tl") -> Timeline:
         [float(x) for x in row[f"{prefix}_load"]],
         [float(x) for x in row[f"{prefix}_hottest"]],
         [int(x) for x in row[f"{prefix}_segments"]],
+        [float(x) for x in row[f"{prefix}_segments_mean"]],
     )
 
 

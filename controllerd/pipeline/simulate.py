@@ -151,12 +151,14 @@ METRIC_COLUMNS: Final = tuple(Metrics.__dataclass_fields__)
 class Timeline:
     """Per-step series for plots: times, topic load and hottest segment (both in units of
     the reference threshold), and active segments. Downsampled series keep each
-    bucket's maximum, so no spike disappears from a plot."""
+    bucket's maximum, so no spike disappears from a plot, and the mean segment count
+    (what the bucket cost)."""
 
     t_ms: Sequence[int]
     load: Sequence[float]
     hottest: Sequence[float]
     segments: Sequence[int]
+    segments_mean: Sequence[float] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -685,7 +687,7 @@ def _expand(runs: _Runs, step_ms: int, first: int = 0, stop: int | None = None) 
         load.extend([m[5]] * count)
         hot.extend([m[4]] * count)
         segs.extend([m[0]] * count)
-    return Timeline(ts, load, hot, segs)
+    return Timeline(ts, load, hot, segs, [float(n) for n in segs])
 
 
 def _downsample_runs(runs: _Runs, step_ms: int, points: int) -> Timeline:
@@ -698,31 +700,62 @@ def _downsample_runs(runs: _Runs, step_ms: int, points: int) -> Timeline:
     load: list[float] = []
     hot: list[float] = []
     segs: list[int] = []
+    seg_steps: list[int] = []
+    steps: list[int] = []
     index = 0  # steps before the current run
     for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
         offset = 0
         while offset < count:
             position = index + offset
+            take = min(count - offset, size - position % size)
             if position % size == 0:  # a bucket starts here
                 ts.append(t + offset * step_ms)
                 load.append(m[5])
                 hot.append(m[4])
                 segs.append(m[0])
+                seg_steps.append(m[0] * take)
+                steps.append(take)
             else:
                 load[-1] = max(load[-1], m[5])
                 hot[-1] = max(hot[-1], m[4])
                 segs[-1] = max(segs[-1], m[0])
-            offset += min(count - offset, size - position % size)
+                seg_steps[-1] += m[0] * take
+                steps[-1] += take
+            offset += take
         index += count
-    return Timeline(ts, load, hot, segs)
+    return Timeline(ts, load, hot, segs, [a / b for a, b in zip(seg_steps, steps, strict=True)])
+
+
+RISE_MS: Final = 3_600_000
+"""The zoom centres on the steepest rise of the topic's load over this long (:func:`_centre`)."""
+
+
+def _centre(runs: _Runs, step_ms: int) -> int:
+    """When the topic's load rose most within an hour from below one threshold (one segment
+    could carry it; ties: the first); else the peak. Where a quiet topic suddenly needs
+    several segments is where the policies part ways: at the peak itself every variant
+    has usually caught up long before."""
+    window: deque[tuple[int, float]] = deque()  # (end of run, load), loads increasing
+    best_rise, best_t = 0.0, -1
+    for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
+        while window and window[0][0] <= t - RISE_MS:
+            window.popleft()
+        if window and window[0][1] < 1.0 and m[5] - window[0][1] > best_rise:
+            best_rise, best_t = m[5] - window[0][1], t
+        while window and window[-1][1] >= m[5]:
+            window.pop()
+        window.append((t + count * step_ms, m[5]))
+    if best_t >= 0:
+        return best_t
+    top = max(range(len(runs.t)), key=lambda i: runs.measures[i][5])
+    return runs.t[top]
 
 
 def _zoom_runs(runs: _Runs, step_ms: int, span_ms: float) -> Timeline:
-    """``_window`` of the per-step timeline, computed from the runs around the peak."""
+    """Full resolution within ``span_ms / 2`` of :func:`_centre`."""
     if not runs.t:
-        return Timeline([], [], [], [])
-    top = max(range(len(runs.t)), key=lambda i: runs.measures[i][5])
-    centre = runs.t[top]
+        return Timeline([], [], [], [], [])
+    centre = _centre(runs, step_ms)
     first = bisect.bisect_right(runs.t, centre - span_ms / 2) - 1
     stop = bisect.bisect_right(runs.t, centre + span_ms / 2)
     near = _expand(runs, step_ms, max(0, first), stop)
@@ -732,35 +765,23 @@ def _zoom_runs(runs: _Runs, step_ms: int, span_ms: float) -> Timeline:
         [near.load[i] for i in keep],
         [near.hottest[i] for i in keep],
         [near.segments[i] for i in keep],
+        [near.segments_mean[i] for i in keep],
     )
 
 
 def downsample(timeline: Timeline, points: int) -> Timeline:
-    """At most ``points`` buckets of equal length, each keeping its maxima (and first time)."""
+    """At most ``points`` buckets of equal length, each keeping its maxima (and first time)
+    and the mean segment count."""
     n = len(timeline.t_ms)
     size = max(1, math.ceil(n / max(1, points)))
     if size == 1:
         return timeline
-    ts, load, hot, segs = [], [], [], []
+    ts, load, hot, segs, means = [], [], [], [], []
     for i in range(0, n, size):
         j = min(n, i + size)
         ts.append(timeline.t_ms[i])
         load.append(max(timeline.load[i:j]))
         hot.append(max(timeline.hottest[i:j]))
         segs.append(max(timeline.segments[i:j]))
-    return Timeline(ts, load, hot, segs)
-
-
-def _window(timeline: Timeline, span_ms: float) -> Timeline:
-    """The steps within ``span_ms / 2`` of the topic's peak load (the first, if tied)."""
-    if not timeline.t_ms:
-        return timeline
-    peak = max(range(len(timeline.load)), key=timeline.load.__getitem__)
-    centre = timeline.t_ms[peak]
-    keep = [i for i, t in enumerate(timeline.t_ms) if abs(t - centre) <= span_ms / 2]
-    return Timeline(
-        [timeline.t_ms[i] for i in keep],
-        [timeline.load[i] for i in keep],
-        [timeline.hottest[i] for i in keep],
-        [timeline.segments[i] for i in keep],
-    )
+        means.append(sum(timeline.segments[i:j]) / (j - i))
+    return Timeline(ts, load, hot, segs, means)
