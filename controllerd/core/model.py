@@ -254,10 +254,10 @@ class PolicySettings:
     max_split_fanout: int = 8
     split_cooldown_seconds: float = 60.0
     merge_cooldown_seconds: float = 300.0
-    #: ours: Pulsar's is 300 s. Chosen by backtest over the NAB traces (docs/backtest.md):
-    #: bursty traffic comes in clusters, and a 5-minute window merges between bursts
-    #: and splits again at the next one (flip-flops). Measured from cold-since
-    #: (DESIGN §8.1), 2 h costs 1.13x PIP-483's segment-hours, with no flip-flops.
+    #: ours: Pulsar's is 300 s. Chosen by ``controllerd tune`` over the nab + aws traces
+    #: (docs/backtest.md): bursty traffic comes in clusters, and a short window merges
+    #: between bursts and splits again at the next one (flip-flops). Measured from
+    #: cold-since (DESIGN §8.1), so noisy low traffic still merges.
     merge_window_seconds: float = 7200.0
     #: ours: a record whose sampledAtMs is older than this never justifies a merge.
     load_ttl_seconds: float = 900.0
@@ -277,13 +277,17 @@ class PolicySettings:
     #: ours: each recent flip-flop of a range multiplies its merge window by this
     #: (at most ``MAX_BACKOFF_STEPS`` times), so a range that merged too early
     #: waits longer next time. 1 = off (Pulsar). Needs ``LoadSample.flipflops``.
-    merge_backoff_factor: float = 1.0
+    #: 2 is what ``controllerd tune`` chose on the nab + aws traces (docs/backtest.md):
+    #: AWS disk-write bursts recur at irregular gaps that no fixed window fits.
+    merge_backoff_factor: float = 2.0
     #: ours: seconds of calm (no flip-flop) after which one flip-flop is forgotten.
     merge_backoff_decay_seconds: float = 86_400.0
     #: ours: true = the split cooldown holds back only the children of a recent
     #: split (whose first records are the noisiest); any other range over its
     #: threshold splits at once. false = one split per topic per cooldown (Pulsar).
-    range_split_cooldown: bool = False
+    #: Chosen by ``controllerd tune``: when two ranges are hot at once the second no
+    #: longer waits a minute (less excess load at no cost).
+    range_split_cooldown: bool = True
     #: ours: true = a traffic split gets enough children for the range's peak
     #: within ``peak_window_seconds``, not just its current load (headroom for a
     #: range whose load swings). false = for the current load (Pulsar's score).

@@ -319,14 +319,16 @@ def _too_narrow(ids: list[int], policy: PolicySettings, why: str) -> NoAction:
 
 
 def _held_back(active: Sequence[Segment], policy: PolicySettings, now_ms: int) -> frozenset[int]:
-    """With ``range_split_cooldown``: children of a split younger than the split cooldown."""
+    """With ``range_split_cooldown``: children of a split younger than the split cooldown
+    (by their ``createdAtMs``, which the layout keeps: no state needed)."""
     if not policy.range_split_cooldown or policy.split_cooldown_seconds <= 0:
         return frozenset()
     cooldown_ms = policy.split_cooldown_seconds * 1000.0
+    # A creation time ahead of our clock (skew) holds nothing back: a hot range splits.
     return frozenset(
         s.segment_id
         for s in active
-        if len(s.parent_ids) == 1 and now_ms - s.created_at_ms < cooldown_ms
+        if len(s.parent_ids) == 1 and 0 <= now_ms - s.created_at_ms < cooldown_ms
     )
 
 
@@ -1003,6 +1005,7 @@ def next_decision_ms(
     decay_ms = policy.merge_backoff_decay_seconds * 1000.0
     for seg in layout.active_segments():
         if policy.range_split_cooldown and len(seg.parent_ids) == 1:
+            at_or_after(seg.created_at_ms)
             at_or_after(seg.created_at_ms + split_ms)
         sample = loads.get(seg.segment_id)
         if sample is None:

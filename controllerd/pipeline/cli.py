@@ -301,7 +301,12 @@ def _run_info(
 ) -> dict[str, str]:
     return {
         "command": "controllerd " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "engine": args.engine + (f" ({args.master})" if args.engine == "spark" else ""),
+        "engine": args.engine
+        + (
+            f" ({args.master}; executors run controllerd from {args.executors_import})"
+            if args.engine == "spark"
+            else ""
+        ),
         "traces": ", ".join(traces),
         "variants": ", ".join(v.name for v in variants)
         if len(variants) <= 12
@@ -326,6 +331,8 @@ def _execute(
     spark = engines.spark_session(args.master) if args.engine == "spark" else None
     started = time.monotonic()
     try:
+        if spark is not None:
+            args.executors_import = engines.ship_code(spark)
         results = engines.run(
             args.engine,
             traces,
