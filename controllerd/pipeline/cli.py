@@ -76,6 +76,12 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="leave one trace out (default), leave one --traces path out, or choose on "
         "the first fraction F of each trace's time and test on the rest",
     )
+    p.add_argument(
+        "--reuse",
+        metavar="METRICS.csv",
+        help="choose again from an earlier run's metrics.csv (same traces and grid) "
+        "instead of replaying",
+    )
     p.set_defaults(func=cmd_tune)
 
     p = subparsers.add_parser(
@@ -411,11 +417,30 @@ def cmd_tune(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise OperatorError(str(exc), setting="--cv") from None
-    results, elapsed = _execute(args, "tune", traces, histories, variants, options)
+    names = [t.name for t in traces]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.reuse:
+        import pandas as pd
+
+        try:
+            results = pd.read_csv(args.reuse)
+        except (OSError, ValueError) as exc:
+            raise OperatorError(f"{args.reuse}: cannot read: {exc}", setting="--reuse") from None
+        have = set(zip(results.get("trace", []), results.get("variant", []), strict=False))
+        missing = [(t, v.name) for t in names for v in variants if (t, v.name) not in have]
+        if missing:
+            t, v = missing[0]
+            raise OperatorError(
+                f"{args.reuse} has no row for trace {t} x variant {v} "
+                f"({len(missing)} missing): was it written with these --traces and --grid?",
+                setting="--reuse",
+            )
+        results = results[results["trace"].isin(names)]
+        elapsed = 0.0
+    else:
+        results, elapsed = _execute(args, "tune", traces, histories, variants, options)
     metrics = report.write_metrics(results, out / "metrics.csv")
-    names = [t.name for t in traces]
     if scheme == "time":
         groups = {
             t.name: groups[t.name.removesuffix(tune.TRAIN).removesuffix(tune.TEST)] for t in traces
@@ -425,7 +450,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     snippet = tune.toml_snippet(chosen)
     run_info = _run_info(args, options, names, variants)
     run_info["cross-validation"] = args.cv
-    run_info["run time"] = f"{elapsed:.1f} s for {len(results)} trace-variant groups"
+    run_info["run time"] = (
+        f"{elapsed:.1f} s for {len(results)} trace-variant groups"
+        if not args.reuse
+        else f"metrics reused from {args.reuse}"
+    )
     (out / "tune.md").write_text(tune.render(result, run_info, snippet), encoding="utf-8")
     (out / "chosen.toml").write_text(snippet, encoding="utf-8")
     pooled = result.pooled

@@ -401,6 +401,19 @@ def history_rows(spark: SparkSession, root: str, max_hours: float | None = None)
     )
 
 
+def history_topics(spark: SparkSession, root: str) -> set[str]:
+    """The topics of a recorded history, from its partition directories (no Spark job)."""
+    from urllib.parse import unquote
+
+    files = spark.read.parquet(str(Path(root).resolve() / "loads")).inputFiles()
+    return {
+        unquote(part.removeprefix("topic="))
+        for f in files
+        for part in f.split("/")
+        if part.startswith("topic=")
+    }
+
+
 def run_spark(
     traces: Sequence[Trace],
     variants: Sequence[Variant],
@@ -437,9 +450,7 @@ def run_spark(
         for part in parts[1:]:
             rows = rows.unionByName(part)
         names = session.createDataFrame(pd.DataFrame({"variant": [v.name for v in variants]}))
-        count = len(traces) + sum(
-            part.select("trace").distinct().count() for part in parts[1 if traces else 0 :]
-        )
+        count = len(traces) + sum(len(history_topics(session, h)) for h in histories)
         groups = max(1, count * len(variants))
         # An explicit partition count is never coalesced by adaptive execution, and the
         # groupBy reuses this partitioning instead of shuffling again.

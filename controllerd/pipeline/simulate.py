@@ -235,22 +235,44 @@ class Gate:
         self.merge = rule.merge_thresholds.as_tuple()
 
     def quiet(self, old: Rates, new: Rates) -> bool:
-        lim = self.limit
-        for o, c, s, m in (
-            (old.msg_rate_in, new.msg_rate_in, self.split[0], self.merge[0]),
-            (old.byte_rate_in, new.byte_rate_in, self.split[1], self.merge[1]),
-            (old.msg_rate_out, new.msg_rate_out, self.split[2], self.merge[2]),
-            (old.byte_rate_out, new.byte_rate_out, self.split[3], self.merge[3]),
+        # Unrolled: this runs for every active segment at every visited step.
+        lim, crossing = self.limit, self.crossing
+        s0, s1, s2, s3 = self.split
+        m0, m1, m2, m3 = self.merge
+        o, c = old.msg_rate_in, new.msg_rate_in
+        if o != c and (
+            o == 0.0
+            or c == 0.0
+            or abs(c - o) > lim * abs(o)
+            or (crossing and ((o > s0) != (c > s0) or (o < m0) != (c < m0)))
         ):
-            if o == c:
-                continue
-            if o == 0.0 or c == 0.0:
-                return False  # a zero crossing (both zero is o == c)
-            if abs(c - o) > lim * abs(o):
-                return False
-            if self.crossing and ((o > s) != (c > s) or (o < m) != (c < m)):
-                return False
-        return True
+            return False
+        o, c = old.byte_rate_in, new.byte_rate_in
+        if o != c and (
+            o == 0.0
+            or c == 0.0
+            or abs(c - o) > lim * abs(o)
+            or (crossing and ((o > s1) != (c > s1) or (o < m1) != (c < m1)))
+        ):
+            return False
+        o, c = old.msg_rate_out, new.msg_rate_out
+        if o != c and (
+            o == 0.0
+            or c == 0.0
+            or abs(c - o) > lim * abs(o)
+            or (crossing and ((o > s2) != (c > s2) or (o < m2) != (c < m2)))
+        ):
+            return False
+        o, c = old.byte_rate_out, new.byte_rate_out
+        return not (
+            o != c
+            and (
+                o == 0.0
+                or c == 0.0
+                or abs(c - o) > lim * abs(o)
+                or (crossing and ((o > s3) != (c > s3) or (o < m3) != (c < m3)))
+            )
+        )
 
 
 Measure = tuple[int, int, float, float, float, float]
