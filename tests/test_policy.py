@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -695,6 +696,10 @@ def test_topic_history_counts_a_split_of_a_fresh_merge_as_a_flip_flop() -> None:
     )
     child = history.annotate(3, cold(), NOW + 60_000, policy)
     assert (child.flipflops, child.last_flipflop_ms) == (1, NOW + 60_000)
+    # A new leader that restores the persisted history sees the same.
+    restored = TopicHistory.from_json(json.loads(json.dumps(history.to_json())))
+    assert restored.annotate(3, cold(), NOW + 60_000, policy) == child
+    assert TopicHistory.from_json({"x": 1, "4": {"flipflops": "many"}}).to_json() == {}
 
 
 # --- when decide needs asking again -------------------------------------------------------------

@@ -602,14 +602,16 @@ def _split_pass(
     loads: Mapping[int, LoadSample],
     max_consumers: int,
     policy: PolicySettings,
-    held: frozenset[int] = frozenset(),
+    now_ms: int,
 ) -> Split | NoAction | None:
     """A Split, a NoAction naming why a needed split is blocked, or None (nothing hot).
 
-    ``held``: segments the range split cooldown holds back (children of a recent split).
+    With ``range_split_cooldown``, children of a recent split are held back; that is
+    worked out only once something needs a split (the common case needs none).
     """
     n = len(active)
     if max_consumers > n:
+        held = _held_back(active, policy, now_ms)
         busiest: Segment | None = None
         narrow: list[int] = []
         waiting: list[int] = []
@@ -652,6 +654,7 @@ def _split_pass(
                 hot.append(seg)
     if not hot:
         return None
+    held = _held_back(active, policy, now_ms)
     candidates: list[tuple[float, int, Segment, str]] = []
     hot_but_narrow: list[int] = []
     waiting = []
@@ -892,8 +895,7 @@ def decide(
                 ),
             )
     else:
-        held = _held_back(active, policy, now_ms) if policy.range_split_cooldown else frozenset()
-        result = _split_pass(active, loads, max_consumers, policy, held)
+        result = _split_pass(active, loads, max_consumers, policy, now_ms)
         if isinstance(result, Split):
             return result
         blocked = result
@@ -1119,6 +1121,41 @@ class TopicHistory:
             flipflops=state.flipflops,
             last_flipflop_ms=state.last_flipflop_ms,
         )
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole history as JSON, for a caller that persists it across a failover."""
+        return {
+            str(sid): {
+                "peaks": [[[t, v] for t, v in q] for q in state.peaks],
+                "flipflops": state.flipflops,
+                "lastFlipflopMs": state.last_flipflop_ms,
+            }
+            for sid, state in sorted(self._ranges.items())
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TopicHistory:
+        """The inverse of :meth:`to_json`; anything malformed is dropped (history is advice)."""
+        history = cls()
+        if not isinstance(obj, Mapping):
+            return history
+        for key, raw in obj.items():
+            try:
+                sid = int(key)
+                peaks = tuple(
+                    deque((int(t), float(v)) for t, v in queue) for queue in raw.get("peaks", [])
+                )
+                last = raw.get("lastFlipflopMs")
+                state = _Range(
+                    flipflops=max(0, int(raw.get("flipflops", 0))),
+                    last_flipflop_ms=int(last) if last is not None else None,
+                )
+            except (TypeError, ValueError, AttributeError):
+                continue
+            if len(peaks) == 4:
+                state.peaks = peaks
+            history._ranges[sid] = state
+        return history
 
     def forget(self, keep: Iterable[int]) -> None:
         """Drop every segment not in ``keep`` (the active ones)."""

@@ -415,7 +415,7 @@ def trace_figure(trace: str, rows: Sequence[tuple[str, Timeline]], title_suffix:
     twins = [ax.twinx() for ax in axes]
     for twin in twins[1:]:
         twin.sharey(twins[0])
-    top_load = max((max(tl.load + tl.hottest, default=1.0) for _, tl in rows), default=1.0)
+    top_load = max((max([*tl.load, *tl.hottest], default=1.0) for _, tl in rows), default=1.0)
     top_segments = max((max(tl.segments, default=1) for _, tl in rows), default=1)
     for ax, twin, (variant, tl) in zip(axes, twins, rows, strict=True):
         times = _times(tl.t_ms)
@@ -436,9 +436,11 @@ def trace_figure(trace: str, rows: Sequence[tuple[str, Timeline]], title_suffix:
         ax.set_title(variant, loc="left", fontsize=9)
         ax.set_ylim(0, top_load * 1.08 + 0.05)
         twin.set_ylim(0, top_segments * 1.15 + 0.5)
-    locator = AutoDateLocator(tz=dt.UTC)
+    locator = AutoDateLocator(tz=dt.UTC)  # type: ignore[no-untyped-call]
     axes[-1].xaxis.set_major_locator(locator)
-    axes[-1].xaxis.set_major_formatter(ConciseDateFormatter(locator, tz=dt.UTC))
+    axes[-1].xaxis.set_major_formatter(
+        ConciseDateFormatter(locator, tz=dt.UTC)  # type: ignore[no-untyped-call]
+    )
     axes[-1].set_xlabel("time (UTC)" + (", one step per day" if by_day else ""))
     handles = [
         Line2D([], [], color=LOAD_COLOR, label="topic load" + (" (daily max)" if by_day else "")),
