@@ -114,7 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = min(times)
         total = steps_of(result, interval)
         rate[engine] = total / seconds
-        label = f"{engine} ({args.master})" if engine == "spark" else f"local ({args.workers} processes)"
+        label = (
+            f"{engine} ({args.master})"
+            if engine == "spark"
+            else f"local ({args.workers} processes)"
+        )
         runs = ", ".join(f"{t:.1f}" for t in times)
         print(f"\n{label}: runs {runs} s (the first Spark query also starts its Python workers)")
         print(f"  groups/s:              {groups / seconds:.2f}")

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from controllerd.core.layout import initial_layout, merge, split
+from controllerd.core.layout import initial_layout, merge, prune, split
 from controllerd.core.model import (
     PULSAR_PARITY,
     HashRange,
@@ -613,6 +613,13 @@ def test_range_cooldown_holds_back_only_the_children_of_the_last_split() -> None
     assert isinstance(d, NoAction) and d.reason == "split-cooldown"
     d = decide(lay, {2: sample(30_000)}, {}, RANGE, NOW + 50_000)
     assert isinstance(d, Split) and d.segment_id == 2
+    # GC pruned the parent (and the children's link to it): the topic's split stamp
+    # still holds the young children back, as it would without the range rule.
+    pruned = prune(lay, [0])
+    d = decide(pruned, {2: sample(30_000)}, {}, RANGE, NOW, last_split_ms=NOW - 10_000)
+    assert isinstance(d, NoAction) and d.reason == "split-cooldown"
+    d = decide(pruned, {1: sample(30_000)}, {}, RANGE, NOW, last_split_ms=NOW - 10_000)
+    assert isinstance(d, Split) and d.segment_id == 1  # created long before the split
     # A creation time ahead of our clock (skew) never holds a hot range back.
     d = decide(lay, {2: sample(30_000)}, {}, RANGE, NOW - 20_000)
     assert isinstance(d, Split) and d.segment_id == 2

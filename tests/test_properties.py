@@ -430,8 +430,11 @@ def assert_split_justified(sc: Scenario, decision: Split) -> None:
     assert 2 <= k <= policy.max_split_fanout
     assert n - 1 + k <= policy.max_segments
     if policy.range_split_cooldown:  # only a young child of a split waits
-        age = now - seg.created_at_ms
-        assert not (len(seg.parent_ids) == 1 and 0 <= age < policy.split_cooldown_seconds * 1000)
+        young = 0 <= now - seg.created_at_ms < policy.split_cooldown_seconds * 1000
+        split_child = len(seg.parent_ids) == 1 or (
+            not seg.parent_ids and within(sc.last_split_ms, policy.split_cooldown_seconds, now)
+        )
+        assert not (young and split_child)
     else:
         assert not within(sc.last_split_ms, policy.split_cooldown_seconds, now)
     starts = (seg.hash_range.start, *decision.boundaries)

@@ -318,17 +318,24 @@ def _too_narrow(ids: list[int], policy: PolicySettings, why: str) -> NoAction:
     )
 
 
-def _held_back(active: Sequence[Segment], policy: PolicySettings, now_ms: int) -> frozenset[int]:
-    """With ``range_split_cooldown``: children of a split younger than the split cooldown
-    (by their ``createdAtMs``, which the layout keeps: no state needed)."""
+def _held_back(
+    active: Sequence[Segment], policy: PolicySettings, now_ms: int, last_split_ms: int | None
+) -> frozenset[int]:
+    """With ``range_split_cooldown``: children of a split younger than the split cooldown,
+    by their ``createdAtMs``, which the layout keeps. GC may have pruned a child's
+    parent (and its link to it): a parentless segment that young counts as a split's
+    child while the topic's own split stamp is within the cooldown, so the guarantee
+    survives a failover after GC, as the topic-wide cooldown does."""
     if not policy.range_split_cooldown or policy.split_cooldown_seconds <= 0:
         return frozenset()
     cooldown_ms = policy.split_cooldown_seconds * 1000.0
+    recent_split = _within(last_split_ms, policy.split_cooldown_seconds, now_ms)
     # A creation time ahead of our clock (skew) holds nothing back: a hot range splits.
     return frozenset(
         s.segment_id
         for s in active
-        if len(s.parent_ids) == 1 and 0 <= now_ms - s.created_at_ms < cooldown_ms
+        if 0 <= now_ms - s.created_at_ms < cooldown_ms
+        and (len(s.parent_ids) == 1 or (not s.parent_ids and recent_split))
     )
 
 
@@ -603,6 +610,7 @@ def _split_pass(
     max_consumers: int,
     policy: PolicySettings,
     now_ms: int,
+    last_split_ms: int | None = None,
 ) -> Split | NoAction | None:
     """A Split, a NoAction naming why a needed split is blocked, or None (nothing hot).
 
@@ -611,7 +619,7 @@ def _split_pass(
     """
     n = len(active)
     if max_consumers > n:
-        held = _held_back(active, policy, now_ms)
+        held = _held_back(active, policy, now_ms, last_split_ms)
         busiest: Segment | None = None
         narrow: list[int] = []
         waiting: list[int] = []
@@ -654,7 +662,7 @@ def _split_pass(
                 hot.append(seg)
     if not hot:
         return None
-    held = _held_back(active, policy, now_ms)
+    held = _held_back(active, policy, now_ms, last_split_ms)
     candidates: list[tuple[float, int, Segment, str]] = []
     hot_but_narrow: list[int] = []
     waiting = []
@@ -895,7 +903,7 @@ def decide(
                 ),
             )
     else:
-        result = _split_pass(active, loads, max_consumers, policy, now_ms)
+        result = _split_pass(active, loads, max_consumers, policy, now_ms, last_split_ms)
         if isinstance(result, Split):
             return result
         blocked = result
@@ -1006,7 +1014,7 @@ def next_decision_ms(
     ttl_ms = policy.load_ttl_seconds * 1000.0
     decay_ms = policy.merge_backoff_decay_seconds * 1000.0
     for seg in layout.active_segments():
-        if policy.range_split_cooldown and len(seg.parent_ids) == 1:
+        if policy.range_split_cooldown and len(seg.parent_ids) <= 1:
             at_or_after(seg.created_at_ms)
             at_or_after(seg.created_at_ms + split_ms)
         sample = loads.get(seg.segment_id)
