@@ -846,6 +846,7 @@ def test_load_aware_plans_are_valid_splits(
     if plan.refused:
         hot = plan.loads.index(max(plan.loads))
         assert plan.loads[hot] > 1.0 and plan.widths[hot] < 2 * min_width
+        assert score - plan.loads[hot] < 0.5 * (score - 1.0)  # it would relieve too little
 
 
 RATES_ST: Final = st.tuples(

@@ -560,8 +560,10 @@ def plan_split(
     ``min_width`` allows. Boundaries fall on slice edges: the histogram says
     nothing finer. None when the histogram is empty (all zero): split equal-width.
     The plan is ``refused`` when its hottest child would still be over the
-    threshold, too narrow to split again and hold most of the range's load:
-    such a split adds segments without relieving the hot key.
+    threshold, too narrow to split again, and the split would take less than half
+    of the range's overload off it: such a split adds a segment without relieving
+    the hot key (a range at 1.7x whose key alone is 1.2x still splits: its
+    overload falls from 0.7 to 0.2; one at 1.25x does not).
     """
     starts, widths, weights = _units(hash_range, buckets)
     total = sum(weights)
@@ -581,10 +583,11 @@ def plan_split(
     child_loads = tuple(sum(loads[a:b]) for a, b in itertools.pairwise(edges))
     child_widths = tuple(sum(widths[a:b]) for a, b in itertools.pairwise(edges))
     hottest = max(range(len(child_loads)), key=child_loads.__getitem__)
+    # Relief: the share of the range's overload (score - 1) the split takes off its
+    # hottest part. Under half, and no further split possible: not worth a segment.
+    relief = (score - child_loads[hottest]) / (score - 1.0) if score > 1.0 else 1.0
     refused = (
-        child_loads[hottest] > 1.0
-        and child_widths[hottest] < 2 * min_width
-        and child_loads[hottest] > score / 2
+        child_loads[hottest] > 1.0 and child_widths[hottest] < 2 * min_width and relief < 0.5
     )
     return SplitPlan(tuple(starts[c] for c in cuts), child_loads, child_widths, refused)
 
