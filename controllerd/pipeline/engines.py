@@ -266,7 +266,7 @@ logger.gateway.level = error
 """
 
 
-def _quiet_log4j2() -> str:
+def quiet_log4j2() -> str:
     """A log4j2 configuration file that logs errors only (written once per process)."""
     path = Path(tempfile.gettempdir()) / f"controllerd-log4j2-{os.getpid()}.properties"
     path.write_text(QUIET_LOG4J2, encoding="utf-8")
@@ -294,7 +294,7 @@ def spark_session(master: str = "local[*]", app_name: str = "controllerd-backtes
         os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     logging.getLogger("py4j").setLevel(logging.ERROR)
-    quiet = f"-Dlog4j2.configurationFile={_quiet_log4j2()}"
+    quiet = f"-Dlog4j2.configurationFile={quiet_log4j2()}"
     builder: Any = SparkSession.builder
     builder = (
         builder.master(master)
