@@ -49,6 +49,7 @@ from controllerd.core.model import (
     layout_to_json,
 )
 from controllerd.core.policy import (
+    HOT_KEY_MIN_RELIEF,
     PolicyInvalid,
     decide,
     is_stale,
@@ -846,7 +847,8 @@ def test_load_aware_plans_are_valid_splits(
     if plan.refused:
         hot = plan.loads.index(max(plan.loads))
         assert plan.loads[hot] > 1.0 and plan.widths[hot] < 2 * min_width
-        assert score - plan.loads[hot] < 0.5 * (score - 1.0)  # it would relieve too little
+        relief = (score - plan.loads[hot]) / (score - 1.0)
+        assert relief < HOT_KEY_MIN_RELIEF  # it would relieve too little
 
 
 RATES_ST: Final = st.tuples(
