@@ -386,7 +386,9 @@ def render(result: TuneResult, run_info: Mapping[str, str], snippet: str) -> str
             )
     lines += [
         "",
-        "## Chosen on all traces",
+        "## Chosen on the first parts"
+        if result.final_held_out is not None
+        else "## Chosen on all traces",
         "",
         f"`{result.final.variant}` (smallest slack {result.final.worst:+.3f}), in sample:",
         "",
