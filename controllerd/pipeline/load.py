@@ -316,11 +316,16 @@ class SeriesLoad:
         self._times: list[int] = []
         self._rows: list[int] = []
         self._spreads: list[Spread] = []
+        row = move = 0  # the last row and move at or before t (both lists are sorted)
+        n_rows, n_moves = len(t_ms), len(spread_times)
         for t in sorted({*t_ms, *spread_times}):
             if not t_ms[0] <= t <= t_ms[-1]:
                 continue
-            row = bisect.bisect_right(t_ms, t) - 1
-            spread_now = spreads[bisect.bisect_right(spread_times, t) - 1]
+            while row + 1 < n_rows and t_ms[row + 1] <= t:
+                row += 1
+            while move + 1 < n_moves and spread_times[move + 1] <= t:
+                move += 1
+            spread_now = spreads[move]
             if (
                 self._rows
                 and totals[row] == totals[self._rows[-1]]
