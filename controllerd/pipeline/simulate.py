@@ -197,6 +197,8 @@ class _Reporter:
     record: LoadSample | None = None
     last_seen: Rates | None = None
     quiet: bool = False
+    #: whether the record was stale when cold-since was last tracked (None: never).
+    stale: bool | None = None
 
 
 @dataclass(slots=True)
@@ -462,17 +464,22 @@ def simulate(
             record = rep.record
             if record is None:
                 continue
-            if track_cold and not is_stale(record, policy, t):
-                cold = below(record.rates, merge_limits)
-                if cold and sid not in cold_since:
-                    inherited = inherited_cold_since(layout, sid, sealed_cold)
-                    cold_since[sid] = (
-                        inherited if inherited is not None else min(record.changed_at_ms, t)
-                    )
-                    touched = True
-                elif not cold and sid in cold_since:
-                    del cold_since[sid]
-                    touched = True
+            if track_cold:
+                # The outcome only changes with the record or its staleness: the
+                # event-driven replay skips the rest (the step-by-step one never does).
+                stale = is_stale(record, policy, t)
+                if step_by_step or touched or stale is not rep.stale:
+                    rep.stale = stale
+                    cold = not stale and below(record.rates, merge_limits)
+                    if cold and sid not in cold_since:
+                        inherited = inherited_cold_since(layout, sid, sealed_cold)
+                        cold_since[sid] = (
+                            inherited if inherited is not None else min(record.changed_at_ms, t)
+                        )
+                        touched = True
+                    elif not stale and not cold and sid in cold_since:
+                        del cold_since[sid]
+                        touched = True
             if touched:
                 dirty = True
                 cs = cold_since.get(sid)
