@@ -82,9 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         quick = simulate(source_for(sample, Skew(), 0), v.strategy, REFERENCE_THRESHOLDS)
         fast += time.perf_counter() - started
         started = time.perf_counter()
-        simulate(
-            source_for(sample, Skew(), 0), v.strategy, REFERENCE_THRESHOLDS, step_by_step=True
-        )
+        simulate(source_for(sample, Skew(), 0), v.strategy, REFERENCE_THRESHOLDS, step_by_step=True)
         slow += time.perf_counter() - started
         steps += round(quick.metrics.hours * 3600 / v.strategy.interval_seconds)
         visited += quick.visited_steps
