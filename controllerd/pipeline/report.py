@@ -526,7 +526,7 @@ def write_plots(results: pd.DataFrame, out: Path) -> dict[str, list[str]]:
             str(trace),
             zoom,
             plot_dir / f"{safe}-peak.png",
-            " (6 h around its steepest rise from one segment's load, every minute)",
+            " (6 h around its steepest rise from a light load, every minute)",
         )
         files[str(trace)] = [f"plots/{safe}.png", f"plots/{safe}-peak.png"]
     tot = totals(results[["trace", "variant", *METRIC_COLUMNS]])

@@ -768,25 +768,27 @@ RISE_MS: Final = 3_600_000
 """The zoom centres on the steepest rise of the topic's load over this long (:func:`_centre`)."""
 
 
+RISE_FROM: Final = 0.5
+"""...from a load below this (in split thresholds): a topic that light has merged down."""
+
+
 def _centre(runs: _Runs, step_ms: int) -> int:
-    """When the topic's load rose most within an hour from below one threshold (one segment
-    could carry it; ties: the first); else the peak. Where a quiet topic suddenly needs
-    several segments is where the policies part ways: at the peak itself every variant
-    has usually caught up long before."""
+    """When the topic's load rose most within an hour from below :data:`RISE_FROM` (ties:
+    the first); else the start of the trace. Where a quiet topic suddenly needs several
+    segments is where the policies part ways; at the peak every variant has usually
+    caught up long before, and a topic that is never quiet only differs at its start,
+    where every policy begins from one segment."""
     window: deque[tuple[int, float]] = deque()  # (end of run, load), loads increasing
     best_rise, best_t = 0.0, -1
     for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
         while window and window[0][0] <= t - RISE_MS:
             window.popleft()
-        if window and window[0][1] < 1.0 and m[5] - window[0][1] > best_rise:
+        if window and window[0][1] < RISE_FROM and m[5] - window[0][1] > best_rise:
             best_rise, best_t = m[5] - window[0][1], t
         while window and window[-1][1] >= m[5]:
             window.pop()
         window.append((t + count * step_ms, m[5]))
-    if best_t >= 0:
-        return best_t
-    top = max(range(len(runs.t)), key=lambda i: runs.measures[i][5])
-    return runs.t[top]
+    return best_t if best_t >= 0 else runs.t[0]
 
 
 def _zoom_runs(runs: _Runs, step_ms: int, span_ms: float) -> Timeline:
