@@ -21,6 +21,7 @@ configuration for the JVMs), so a run prints only its own progress.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -267,9 +268,16 @@ logger.gateway.level = error
 
 
 def quiet_log4j2() -> str:
-    """A log4j2 configuration file that logs errors only (written once per process)."""
-    path = Path(tempfile.gettempdir()) / f"controllerd-log4j2-{os.getpid()}.properties"
-    path.write_text(QUIET_LOG4J2, encoding="utf-8")
+    """A log4j2 configuration file that logs errors only: one per content and user, written
+    atomically (a rename), so concurrent runs share it and none leaves one behind."""
+    digest = hashlib.sha256(QUIET_LOG4J2.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"controllerd-log4j2-{os.getuid()}-{digest}.properties"
+    if not path.exists():
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8"
+        ) as fh:
+            fh.write(QUIET_LOG4J2)
+        os.replace(fh.name, path)
     return path.as_uri()
 
 
