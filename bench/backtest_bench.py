@@ -1,14 +1,23 @@
-"""Backtest throughput: trace x variant groups per second, local and Spark engines.
+"""Backtest throughput, and what it means for a real fleet's history.
 
-Runs the same traces and variants through each engine ``--repeat`` times (the
+Replays the traces under the variants on each engine ``--repeat`` times (the
 Spark session start is not timed; its first query also starts the Python
-workers) and prints, for the best run, groups/s, replayed trace-hours per
-second and simulated evaluation steps per second. Both engines must agree on
-every metric, which the bench checks too.
+workers) and prints, for the best run, groups/s and replayed evaluation steps
+per second (an evaluation step is one ``[autoscale].interval_seconds`` of one
+topic under one variant, visited or skipped by the event-driven replay). Both
+engines must agree on every metric, which the bench checks too.
 
-Usage: python -m bench.backtest_bench [--traces ../shared/traces/nab] \
-           [--variants examples/variants.toml] [--engines local,spark] [--max-hours H] \
-           [--workers N] [--master local[*]] [--repeat 2]
+It also replays a sample in one process both ways, event-driven and step by
+step (the reference the event-driven replay is tested against), and prints the
+speed-up and the share of steps the replay visits. Finally it projects the time
+for ``--topics`` topics x ``--days`` days x ``--fleet-variants`` variants (the
+issue's yardstick: 10,000 x 30 x 5) at the measured Spark rate: that assumes a
+fleet whose load changes as often as these traces' does (NAB and AWS: every 5 or
+30 minutes); a quieter fleet replays faster, one that changes every minute slower.
+
+Usage: python -m bench.backtest_bench [--traces ../shared/traces/nab ../shared/traces/aws] \\
+           [--variants examples/variants.toml] [--engines local,spark] [--max-hours H] \\
+           [--workers N] [--master local[2]] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -22,31 +31,68 @@ from pathlib import Path
 import pandas as pd
 
 from controllerd.pipeline.engines import RunOptions, run_local, run_spark, spark_session
-from controllerd.pipeline.simulate import METRIC_COLUMNS
+from controllerd.pipeline.load import Skew, source_for
+from controllerd.pipeline.simulate import METRIC_COLUMNS, simulate
 from controllerd.pipeline.traces import TraceOptions, discover
-from controllerd.pipeline.variants import load_variants
+from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, load_variants
 
 ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared" / "traces"
+
+
+def steps_of(result: pd.DataFrame, interval_seconds: dict[str, float]) -> float:
+    return float(
+        sum(
+            h * 3600 / interval_seconds[v]
+            for h, v in zip(result["hours"], result["variant"], strict=True)
+        )
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--traces", nargs="+", default=[str(ROOT.parent / "shared/traces/nab")])
+    parser.add_argument("--traces", nargs="+", default=[str(SHARED / "nab"), str(SHARED / "aws")])
     parser.add_argument("--variants", default=str(ROOT / "examples/variants.toml"))
     parser.add_argument("--engines", default="local,spark")
     parser.add_argument("--max-hours", type=float)
-    parser.add_argument("--workers", type=int)
-    parser.add_argument("--master", default="local[*]")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--master", default="local[2]")
     parser.add_argument("--repeat", type=int, default=2, help="runs per engine (best shown)")
+    parser.add_argument("--topics", type=int, default=10_000)
+    parser.add_argument("--days", type=float, default=30.0)
+    parser.add_argument("--fleet-variants", type=int, default=5)
+    parser.add_argument(
+        "--sample", default="Twitter_volume_IBM", help="trace replayed both ways in one process"
+    )
     args = parser.parse_args(argv)
 
     traces = discover(args.traces, TraceOptions(max_hours=args.max_hours))
     variants = load_variants(args.variants)
+    interval = {v.name: v.strategy.interval_seconds for v in variants}
     groups = len(traces) * len(variants)
     options = RunOptions()
-    print(f"cores:            {os.cpu_count()}")
+    print(f"cores:             {os.cpu_count()}")
     print(f"traces x variants: {len(traces)} x {len(variants)} = {groups} groups")
+
+    sample = next((t for t in traces if t.name == args.sample), traces[0])
+    fast = slow = 0.0
+    steps = visited = 0
+    for v in variants:
+        started = time.perf_counter()
+        quick = simulate(source_for(sample, Skew(), 0), v.strategy, REFERENCE_THRESHOLDS)
+        fast += time.perf_counter() - started
+        started = time.perf_counter()
+        simulate(source_for(sample, Skew(), 0), v.strategy, REFERENCE_THRESHOLDS, step_by_step=True)
+        slow += time.perf_counter() - started
+        steps += round(quick.metrics.hours * 3600 / v.strategy.interval_seconds)
+        visited += quick.visited_steps
+    print(f"\none process, {sample.name} x {len(variants)} variants ({steps:,} steps):")
+    print(f"  step by step:        {steps / slow:,.0f} steps/s")
+    print(f"  event-driven:        {steps / fast:,.0f} steps/s ({slow / fast:.1f}x)")
+    print(f"  steps visited:       {100 * visited / steps:.1f}%")
+
     results: dict[str, pd.DataFrame] = {}
+    rate: dict[str, float] = {}
     for engine in args.engines.split(","):
         if engine not in ("local", "spark"):
             parser.error(f"unknown engine {engine!r}")
@@ -64,21 +110,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             if session is not None:
                 session.stop()
         seconds = min(times)
-        hours = float(result["hours"].sum())
-        steps = sum(
-            h * 3600 / v.strategy.interval_seconds
-            for h, v in zip(result["hours"], variants * len(traces), strict=True)
+        total = steps_of(result, interval)
+        rate[engine] = total / seconds
+        label = (
+            f"{engine} ({args.master})"
+            if engine == "spark"
+            else f"local ({args.workers} processes)"
         )
         runs = ", ".join(f"{t:.1f}" for t in times)
-        print(f"\n{engine}: runs {runs} s (the first Spark query also starts its Python workers)")
+        print(f"\n{label}: runs {runs} s (the first Spark query also starts its Python workers)")
         print(f"  groups/s:              {groups / seconds:.2f}")
-        print(f"  trace-hours/s:         {hours / seconds:,.0f}")
-        print(f"  evaluation steps/s:    {steps / seconds:,.0f}")
+        print(f"  evaluation steps/s:    {rate[engine]:,.0f} ({total:,.0f} steps)")
         results[engine] = result
     if len(results) == 2:
         local, spark = (r[["trace", "variant", *METRIC_COLUMNS]] for r in results.values())
         pd.testing.assert_frame_equal(local, spark, check_exact=True)
         print("\nlocal and spark metrics: identical")
+    fleet = args.topics * args.days * 86_400 / 60.0 * args.fleet_variants
+    engine = "spark" if "spark" in rate else next(iter(rate))
+    minutes = fleet / rate[engine] / 60
+    print(
+        f"\nprojected: {args.topics:,} topics x {args.days:g} days x {args.fleet_variants} "
+        f"variants = {fleet:,.0f} steps at {rate[engine]:,.0f} steps/s ({engine}): "
+        f"{minutes:,.1f} minutes (goal <= 10)"
+    )
     return 0
 
 

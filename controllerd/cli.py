@@ -434,6 +434,11 @@ EXAMPLES: Final[Mapping[str, str]] = {
     "backtest": """\
   controllerd backtest --traces traces/nab/ --variants examples/variants.toml --out /tmp/bt
   controllerd backtest --traces /tmp/recorded --engine spark --out /tmp/bt""",
+    "tune": """\
+  controllerd tune --traces traces/nab traces/aws --grid examples/tune-grid.toml \\
+      --cv loto --out /tmp/tune
+  controllerd tune --traces traces/nab --grid examples/tune-grid.toml --cv time:0.5 \\
+      --out /tmp/tune --reuse /tmp/tune/metrics.csv""",
     "record": """\
   controllerd record --config /etc/controllerd/controllerd.toml --out /tmp/recorded""",
 }
@@ -448,6 +453,7 @@ COMMAND_EXITS: Final[Mapping[str, tuple[int, ...]]] = {
     "refbroker": (2, 3),
     "completion": (2,),
     "backtest": (2,),
+    "tune": (2,),
     "record": (2, 3),
 }
 
@@ -595,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell to complete for")
     p.set_defaults(func=cmd_completion)
 
-    add_pipeline_commands(sub)  # backtest, record (heavy imports happen inside them)
+    add_pipeline_commands(sub)  # backtest, tune, record (heavy imports happen inside them)
     for name, subparser in sub.choices.items():
         if subparser.epilog is None and name in EXAMPLES:
             subparser.epilog = _epilog(name)

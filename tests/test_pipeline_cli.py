@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +118,134 @@ def test_bad_input_exits_2_naming_the_problem(
     assert main(["backtest", "--traces", str(traces), "--skew", "zipf", "--out", out]) == 2
     assert "zipf:S" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# --- the console command, as an operator runs it --------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCKER = '''
+"""Test helper: make the modules named in $CONTROLLERD_TEST_BLOCK unimportable."""
+import importlib.abc
+import os
+import sys
+
+BLOCKED = set(filter(None, os.environ.get("CONTROLLERD_TEST_BLOCK", "").split(",")))
+
+
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Block())
+'''
+
+
+def console(
+    args: list[str], tmp_path: Path, block: str = "", timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``controllerd ARGS`` in a fresh interpreter, optionally without some modules."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCKER, encoding="utf-8")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
+        "CONTROLLERD_TEST_BLOCK": block,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "controllerd.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("block", "command"),
+    [
+        ("pyspark", ["backtest", "--engine", "spark"]),
+        ("pandas", ["backtest"]),
+        ("pyspark", ["tune", "--engine", "spark", "--grid", "GRID"]),
+        ("matplotlib", ["backtest"]),
+    ],
+)
+def test_without_the_spark_extra_a_command_says_how_to_install_it(
+    tmp_path: Path, traces: Path, block: str, command: list[str]
+) -> None:
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[variants.c]\npreset = "controllerd"\n', encoding="utf-8")
+    args = [a if a != "GRID" else str(grid) for a in command]
+    proc = console(
+        [*args, "--traces", str(traces), "--out", str(tmp_path / "out"), "--workers", "1"],
+        tmp_path,
+        block=block,
+    )
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert (
+        line == "controllerd: this command needs the spark extra: pip install 'controllerd[spark]'"
+    )
+
+
+def test_record_without_pyarrow_says_how_to_install_it(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[etcd]\nendpoints = ["http://127.0.0.1:1"]\n', encoding="utf-8")
+    proc = console(
+        ["record", "--config", str(config), "--out", str(tmp_path / "h"), "--duration", "1"],
+        tmp_path,
+        block="pyarrow",
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "controllerd: this command needs the spark extra: pip install 'controllerd[spark]'"
+    ]
+
+
+def test_record_fails_naming_the_setting_when_etcd_is_unreachable(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[etcd]\nendpoints = ["http://127.0.0.1:{port}"]\ntimeout_seconds = 1\n',
+        encoding="utf-8",
+    )
+    out = tmp_path / "history"
+    proc = console(
+        ["record", "--config", str(config), "--out", str(out), "--duration", "1"], tmp_path
+    )
+    assert proc.returncode == 3, proc.stderr  # EXIT_UNAVAILABLE, not 0 with nothing recorded
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"controllerd: etcd at http://127.0.0.1:{port} is unreachable")
+    assert line.endswith("(setting: etcd.endpoints)")
+    assert not (out / "loads").exists()
+
+
+def test_progress_is_a_line_per_group_when_stderr_is_not_a_terminal(
+    tmp_path: Path, traces: Path
+) -> None:
+    proc = console(
+        [
+            "backtest",
+            "--traces",
+            str(traces),
+            "--out",
+            str(tmp_path / "out"),
+            "--workers",
+            "1",
+            "--no-plots",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    # 2 traces x the 3 default variants: one line each, counting up.
+    assert [line.split(": ")[1].split(" ")[0] for line in lines] == [f"{i}/6" for i in range(1, 7)]
+    assert all(
+        line.startswith("controllerd backtest: ") and "groups done" in line for line in lines
+    )

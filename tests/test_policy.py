@@ -3,25 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
 
-from controllerd.core.layout import initial_layout, merge, split
+from controllerd.core.layout import initial_layout, merge, prune, split
 from controllerd.core.model import (
+    PULSAR_PARITY,
+    HashRange,
     Layout,
     LoadSample,
     Merge,
+    ModelError,
     NoAction,
     PolicySettings,
     Rates,
     Split,
+    load_sample_from_json,
+    load_sample_to_json,
 )
 from controllerd.core.policy import (
     PolicyInvalid,
+    TopicHistory,
     decide,
     inherited_cold_since,
     is_cold,
+    may_act,
+    merge_window_ms,
+    next_decision_ms,
+    plan_split,
     resolve_policy,
 )
 
@@ -30,13 +41,7 @@ WINDOW_MS = 300_000  # PIP483's merge window
 LONG_AGO = NOW - 3 * 7_200_000  # past every merge window used here
 
 # Pulsar behaviour: every extension off.
-PIP483 = PolicySettings(
-    merge_window_seconds=300,
-    max_split_fanout=2,
-    min_split_width=1,
-    merge_combined_max_ratio=math.inf,
-    load_ttl_seconds=0,
-)
+PIP483 = PolicySettings(**{**PULSAR_PARITY, "merge_window_seconds": 300.0})
 OURS = PolicySettings()
 
 
@@ -464,3 +469,296 @@ def test_a_merge_child_inherits_the_later_cold_since_of_its_parents() -> None:
     assert inherited_cold_since(lay, 2, {0: 100}) is None  # one parent was not cold
     assert inherited_cold_since(lay, 0, {0: 100, 1: 300}) is None  # no parents
     assert inherited_cold_since(lay, 99, {}) is None
+
+
+# --- hashBuckets: the reporters' histogram (wire format agreed with the reference broker) ---
+
+
+def test_hash_buckets_parse_and_round_trip() -> None:
+    record = {"msgRateIn": 10, "byteRateIn": 1, "msgRateOut": 1, "byteRateOut": 1}
+    sample = load_sample_from_json({**record, "hashBuckets": [1, 2.5, 0]}, seen_at_ms=5)
+    assert sample.hash_buckets == (1.0, 2.5, 0.0)
+    assert load_sample_to_json(sample)["hashBuckets"] == [1.0, 2.5, 0.0]
+    assert load_sample_from_json(record, seen_at_ms=5).hash_buckets is None
+    assert "hashBuckets" not in load_sample_to_json(load_sample_from_json(record, seen_at_ms=5))
+
+
+@pytest.mark.parametrize(
+    "buckets",
+    [
+        [],
+        [1.0] * 33,
+        [1, -1],
+        [1, float("nan")],
+        [1, float("inf")],
+        [1, True],
+        [1, "2"],
+        "1,2",
+        {"0": 1},
+        7,
+    ],
+)
+def test_a_malformed_histogram_drops_only_the_histogram(buckets: object) -> None:
+    record = {"msgRateIn": 10, "byteRateIn": 1, "msgRateOut": 1, "byteRateOut": 1}
+    sample = load_sample_from_json({**record, "hashBuckets": buckets}, seen_at_ms=5)
+    assert sample.hash_buckets is None
+    assert sample.rates == rates(10, 1, 1, 1) and sample.changed_at_ms == 5
+
+
+def test_history_fields_round_trip_and_bad_ones_name_the_field() -> None:
+    sample = LoadSample(
+        rates(1, 2, 3, 4), 10, 11, 12, (1.0,), rates(5, 6, 7, 8), flipflops=2, last_flipflop_ms=9
+    )
+    assert load_sample_from_json(load_sample_to_json(sample)) == sample
+    base = load_sample_to_json(sample)
+    with pytest.raises(ModelError, match=r"peakRates\.msgRateIn"):
+        load_sample_from_json({**base, "peakRates": {"msgRateIn": -1}})
+    with pytest.raises(ModelError, match="flipflops"):
+        load_sample_from_json({**base, "flipflops": -1})
+    # The old positional shape still builds a sample with every extension neutral.
+    old = LoadSample(rates(), 1, 2, 3)
+    assert (old.hash_buckets, old.peak_rates, old.flipflops, old.last_flipflop_ms) == (
+        None,
+        None,
+        0,
+        None,
+    )
+
+
+# --- load-aware split boundaries -------------------------------------------------------------
+
+FULL = HashRange(0, 0xFFFF)
+
+
+def test_uniform_histogram_splits_like_equal_width() -> None:
+    plan = plan_split(FULL, [1.0] * 32, 3.5, 8, 256)
+    assert plan is not None and not plan.refused
+    assert plan.boundaries == (0x4000, 0x8000, 0xC000)
+    assert plan.loads == pytest.approx((0.875,) * 4)
+
+
+def test_skewed_histogram_gets_children_of_equal_load() -> None:
+    # All load in the lower half: equal-width children would leave one child at 2x.
+    plan = plan_split(FULL, [1.0] * 16 + [0.0] * 16, 2.0, 8, 256)
+    assert plan is not None
+    assert plan.boundaries[0] == 0x4000  # the lower half's load split in two
+    assert max(plan.loads) <= 1.0
+    assert sum(plan.loads) == pytest.approx(2.0)
+
+
+def test_a_hot_key_gets_the_narrowest_child_allowed() -> None:
+    buckets = [0.1] * 32
+    buckets[5] = 10.0  # slice 5 of 32: hashes 0x2800..0x2fff
+    plan = plan_split(FULL, buckets, 3.0, 8, 256)
+    assert plan is not None and not plan.refused
+    assert 0x2800 in plan.boundaries and 0x3000 in plan.boundaries
+    hot = plan.loads.index(max(plan.loads))
+    assert plan.widths[hot] == 0x800  # the slice itself: the histogram says nothing finer
+    # Inside a narrow range the hot child is exactly min_split_width wide.
+    narrow = HashRange(0, 0x1FFF)  # slices of 256
+    plan = plan_split(narrow, buckets, 3.0, 8, 512)
+    assert plan is not None
+    assert plan.widths[plan.loads.index(max(plan.loads))] == 512
+
+
+def test_a_split_that_cannot_relieve_a_hot_key_is_refused() -> None:
+    buckets = [0.0] * 32
+    buckets[5] = 10.0
+    plan = plan_split(HashRange(0, 1023), buckets, 3.0, 8, 256)
+    assert plan is not None and plan.refused  # its child would be 256 wide and still at 3x
+    lay = split(layout_of(1), 0, (1024,), now_ms=0)  # 1: [0, 1023], 2: the rest
+    narrow = {1: LoadSample(rates(30_000), LONG_AGO, hash_buckets=tuple(buckets))}
+    d = decide(lay, narrow, {}, OURS, NOW)
+    assert isinstance(d, NoAction) and d.reason == "hot-key"
+    assert "hot key" in d.detail
+    # A key of 1.2x in a range at 1.4x: the split takes some of its 0.4 overload off,
+    # so it happens though the key's child stays hot (and the key is then left alone).
+    mixed = [0.2 / 31] * 32
+    mixed[5] = 1.2
+    plan = plan_split(HashRange(0, 1023), mixed, 1.4, 8, 256)
+    assert plan is not None and not plan.refused
+    assert 1.2 <= max(plan.loads) < 1.4 - 0.1 * 0.4
+    # Without the histogram the same range splits equal-width (it cannot know).
+    assert isinstance(decide(lay, {1: sample(30_000)}, {}, OURS, NOW), Split)
+
+
+def test_decide_uses_the_histogram_and_falls_back_to_the_next_hot_segment() -> None:
+    skewed = tuple([1.0] * 8 + [0.0] * 24)
+    lay = layout_of(2)  # 0: [0, 0x7fff], 1: [0x8000, 0xffff]
+    loads = {0: LoadSample(rates(20_000), LONG_AGO, hash_buckets=skewed)}
+    d = decide(lay, loads, {}, OURS, NOW)
+    assert isinstance(d, Split) and d.segment_id == 0
+    assert d.boundaries == (0x1000,)  # the load sits in [0, 0x1fff]: split there
+    assert "load-aware" in d.detail
+    off = dataclasses.replace(OURS, load_aware_splits=False)
+    assert decide(lay, loads, {}, off, NOW).boundaries == (0x4000,)  # type: ignore[union-attr]
+    # Segment 1 is hotter but its hot key cannot be relieved: segment 0 splits instead.
+    hot_key = [0.0] * 32
+    hot_key[3] = 1.0
+    narrow = split(lay, 1, (0x8000 + 512,), now_ms=0)  # 2: [0x8000, 0x81ff], 3: rest
+    loads = {
+        2: LoadSample(rates(40_000), LONG_AGO, hash_buckets=tuple(hot_key)),
+        0: LoadSample(rates(20_000), LONG_AGO, hash_buckets=skewed),
+    }
+    d = decide(narrow, loads, {}, OURS, NOW)
+    assert isinstance(d, Split) and d.segment_id == 0
+
+
+# --- the split cooldown per range -------------------------------------------------------------
+
+RANGE = dataclasses.replace(PIP483, range_split_cooldown=True)
+
+
+def test_range_cooldown_holds_back_only_the_children_of_the_last_split() -> None:
+    lay = split(layout_of(2), 0, now_ms=NOW - 10_000)  # children 2, 3 are 10 s old
+    loads = {2: sample(30_000), 1: sample(20_000)}
+    d = decide(lay, loads, {}, PIP483, NOW, last_split_ms=NOW - 10_000)
+    assert isinstance(d, NoAction) and d.reason == "split-cooldown"
+    d = decide(lay, loads, {}, RANGE, NOW, last_split_ms=NOW - 10_000)
+    assert isinstance(d, Split) and d.segment_id == 1  # 2 is hotter but just created
+    d = decide(lay, {2: sample(30_000)}, {}, RANGE, NOW, last_split_ms=NOW - 10_000)
+    assert isinstance(d, NoAction) and d.reason == "split-cooldown"
+    d = decide(lay, {2: sample(30_000)}, {}, RANGE, NOW + 50_000)
+    assert isinstance(d, Split) and d.segment_id == 2
+    # GC pruned the parent (and the children's link to it): the topic's split stamp
+    # still holds the young children back, as it would without the range rule.
+    pruned = prune(lay, [0])
+    d = decide(pruned, {2: sample(30_000)}, {}, RANGE, NOW, last_split_ms=NOW - 10_000)
+    assert isinstance(d, NoAction) and d.reason == "split-cooldown"
+    d = decide(pruned, {1: sample(30_000)}, {}, RANGE, NOW, last_split_ms=NOW - 10_000)
+    assert isinstance(d, Split) and d.segment_id == 1  # created long before the split
+    # A creation time ahead of our clock (skew) never holds a hot range back.
+    d = decide(lay, {2: sample(30_000)}, {}, RANGE, NOW - 20_000)
+    assert isinstance(d, Split) and d.segment_id == 2
+
+
+# --- merging on the window's peak, and merge backoff after flip-flops --------------------------
+
+PEAK = dataclasses.replace(OURS, peak_window_seconds=3_600.0)
+
+
+def test_a_pair_that_was_hot_within_the_peak_window_does_not_merge() -> None:
+    burst = LoadSample(rates(10), LONG_AGO, peak_rates=rates(7_500))
+    calm = LoadSample(rates(10), LONG_AGO, peak_rates=rates(900))
+    assert isinstance(decide(layout_of(2), {0: calm, 1: calm}, {}, PEAK, NOW), Merge)
+    d = decide(layout_of(2), {0: burst, 1: calm}, {}, PEAK, NOW)
+    assert isinstance(d, NoAction)  # 7500 + 900 >= 0.8 x 10000
+    # With the window off the peaks are ignored (Pulsar), and so they are with ratio inf.
+    assert isinstance(decide(layout_of(2), {0: burst, 1: calm}, {}, OURS, NOW), Merge)
+    pulsar = dataclasses.replace(PEAK, merge_combined_max_ratio=math.inf)
+    assert isinstance(decide(layout_of(2), {0: burst, 1: calm}, {}, pulsar, NOW), Merge)
+
+
+def test_flip_flops_lengthen_the_merge_window_and_are_forgotten_with_calm() -> None:
+    policy = dataclasses.replace(OURS, merge_backoff_factor=2.0, merge_backoff_decay_seconds=3600)
+    window = policy.merge_window_seconds * 1000
+    twice = LoadSample(rates(10), 0, cold_since_ms=NOW - int(2 * window), flipflops=2)
+    twice = dataclasses.replace(twice, last_flipflop_ms=NOW - 1)
+    assert merge_window_ms(twice, policy, NOW) == 4 * window
+    assert isinstance(decide(layout_of(2), {0: twice, 1: twice}, {}, policy, NOW), NoAction)
+    later = NOW + 3_600_000  # one calm hour: one flip-flop forgotten
+    assert merge_window_ms(twice, policy, later) == 2 * window
+    assert isinstance(decide(layout_of(2), {0: twice, 1: twice}, {}, policy, later), Merge)
+    assert merge_window_ms(twice, dataclasses.replace(OURS, merge_backoff_factor=1), NOW) == window
+
+
+def test_split_to_peak_sizes_the_split_for_the_recent_peak() -> None:
+    policy = dataclasses.replace(OURS, peak_window_seconds=3_600.0, split_to_peak=True)
+    swinging = LoadSample(rates(15_000), LONG_AGO, peak_rates=rates(38_000))
+    d = decide(layout_of(1), {0: swinging}, {}, policy, NOW)
+    assert isinstance(d, Split) and len(d.boundaries) + 1 == 4
+    d = decide(layout_of(1), {0: swinging}, {}, OURS, NOW)
+    assert isinstance(d, Split) and len(d.boundaries) + 1 == 2
+
+
+# --- history the caller keeps -----------------------------------------------------------------
+
+
+def test_topic_history_keeps_the_window_peak_and_hands_it_down() -> None:
+    history = TopicHistory()
+    history.observe(0, rates(8_000, 1, 1, 1), 1_000, PEAK)
+    history.observe(0, rates(100, 2, 1, 1), 2_000, PEAK)
+    assert history.peak(0, 3_000, PEAK) == rates(8_000, 2, 1, 1)
+    assert history.next_expiry_ms(3_000, PEAK) == 1_000 + 3_600_000 + 1
+    annotated = history.annotate(0, sample(100), 3_000, PEAK)
+    assert annotated.peak_rates == rates(8_000, 2, 1, 1)
+    assert history.peak(0, 1_000 + 3_600_001, PEAK) == rates(100, 2, 1, 1)
+    history.observe(0, rates(8_000, 1, 1, 1), 3_600_000, PEAK)
+    # A split child takes its share of the parent's peak (by width without a histogram).
+    lay = layout_of(1)
+    after = split(lay, 0, now_ms=4_000)
+    history.applied(lay, Split(0, (0x8000,), "msgRateIn"), after, 4_000, PEAK, {})
+    assert history.peak(1, 5_000, PEAK) == rates(4_000, 1, 0.5, 0.5)
+    assert 0 not in history
+    # The merge of the two children inherits the sum of their peaks; merging them a
+    # second after the split undoes it within the merge window: a flip-flop.
+    merged = merge(after, 1, 2, now_ms=5_000)
+    flipflop = history.applied(after, Merge(1, 2, "cold"), merged, 5_000, PEAK, {})
+    assert history.peak(3, 6_000, PEAK) == rates(8_000, 2, 1, 1)
+    assert flipflop
+
+
+def test_topic_history_counts_a_split_of_a_fresh_merge_as_a_flip_flop() -> None:
+    policy = dataclasses.replace(OURS, merge_backoff_factor=2.0)
+    history = TopicHistory()
+    lay = layout_of(2)
+    merged = merge(lay, 0, 1, now_ms=NOW)
+    assert not history.applied(lay, Merge(0, 1, "cold"), merged, NOW, policy, {})
+    again = split(merged, 2, now_ms=NOW + 60_000)
+    assert history.applied(
+        merged, Split(2, (0x8000,), "msgRateIn"), again, NOW + 60_000, policy, {}
+    )
+    child = history.annotate(3, cold(), NOW + 60_000, policy)
+    assert (child.flipflops, child.last_flipflop_ms) == (1, NOW + 60_000)
+    # A new leader that restores the persisted history sees the same.
+    restored = TopicHistory.from_json(json.loads(json.dumps(history.to_json())))
+    assert restored.annotate(3, cold(), NOW + 60_000, policy) == child
+    assert TopicHistory.from_json({"x": 1, "4": {"flipflops": "many"}}).to_json() == {}
+
+
+# --- when decide needs asking again -------------------------------------------------------------
+
+
+def test_next_decision_time_is_when_a_window_or_cooldown_runs_out() -> None:
+    loads = {0: cold(changed=NOW - 100_000), 1: cold(changed=NOW - 200_000)}
+    # Segment 1's window runs out first (nothing changes then: 0 is still warming up).
+    assert next_decision_ms(layout_of(2), loads, PIP483, NOW) == NOW - 200_000 + 300_000
+    assert isinstance(decide(layout_of(2), loads, {}, PIP483, NOW + 199_999), NoAction)
+    assert isinstance(decide(layout_of(2), loads, {}, PIP483, NOW + 200_000), Merge)
+    at = next_decision_ms(layout_of(1), {}, PIP483, NOW, last_split_ms=NOW - 1_000)
+    assert at == NOW + 59_000
+    stale = {0: cold(sampled=NOW)}
+    assert next_decision_ms(layout_of(1), stale, OURS, NOW) == NOW + 900_001
+    assert next_decision_ms(layout_of(1), {}, OURS, NOW) is None
+
+
+def test_may_act_is_false_only_when_nothing_can_ever_be_decided() -> None:
+    assert not may_act(layout_of(1), {0: warm()}, {}, OURS)
+    assert not may_act(layout_of(2), {0: cold(), 1: warm()}, {}, OURS)
+    assert may_act(layout_of(2), {0: cold(), 1: cold(changed=NOW)}, {}, OURS)
+    assert may_act(layout_of(1), {0: sample(20_000)}, {}, OURS)
+    assert may_act(layout_of(1), {}, {"s": 2}, OURS)
+    assert not may_act(
+        layout_of(2), {0: cold(), 1: cold()}, {}, dataclasses.replace(OURS, min_segments=2)
+    )
+
+
+def test_new_override_keys_resolve() -> None:
+    resolved = resolve_policy(
+        OURS,
+        {
+            "peakWindowSeconds": 600,
+            "mergeBackoffFactor": 3,
+            "mergeBackoffDecaySeconds": 60,
+            "rangeSplitCooldown": True,
+            "splitToPeak": True,
+            "loadAwareSplits": False,
+        },
+    )
+    assert isinstance(resolved, PolicySettings)
+    assert (resolved.peak_window_seconds, resolved.merge_backoff_factor) == (600.0, 3.0)
+    assert resolved.merge_backoff_decay_seconds == 60.0
+    assert resolved.range_split_cooldown and resolved.split_to_peak
+    assert not resolved.load_aware_splits
+    assert isinstance(resolve_policy(OURS, {"rangeSplitCooldown": 1}), PolicyInvalid)
+    assert isinstance(resolve_policy(OURS, {"mergeBackoffFactor": 0.5}), PolicyInvalid)

@@ -30,8 +30,10 @@ from controllerd.core.layout import (
     split,
     violations,
 )
+from controllerd.core.loadreport import ReportRule, should_write
 from controllerd.core.model import (
     HASH_MAX,
+    PULSAR_PARITY,
     RATE_NAMES,
     Decision,
     HashRange,
@@ -42,10 +44,22 @@ from controllerd.core.model import (
     PolicySettings,
     Rates,
     Split,
+    decision_to_json,
     layout_from_json,
     layout_to_json,
 )
-from controllerd.core.policy import PolicyInvalid, decide, is_stale, resolve_policy, split_score
+from controllerd.core.policy import (
+    HOT_KEY_MIN_RELIEF,
+    PolicyInvalid,
+    decide,
+    is_stale,
+    may_act,
+    next_decision_ms,
+    plan_split,
+    resolve_policy,
+    split_score,
+)
+from controllerd.pipeline.simulate import Gate
 
 NOW0: Final = 1_760_000_000_000
 DEFAULT: Final = PolicySettings()
@@ -300,6 +314,7 @@ def policies(draw: st.DrawFn, merge_friendly: bool = False) -> PolicySettings:
         load_ttl_seconds=draw(st.sampled_from([0.0, 60.0, 300.0, 900.0])),
         min_split_width=draw(st.sampled_from([1, 2, 64, 256, 4096, 32768]) | st.integers(1, 2048)),
         merge_combined_max_ratio=draw(st.sampled_from([0.05, 0.5, 0.8, 1.0, 3.0, math.inf])),
+        range_split_cooldown=draw(st.booleans()),
         split_thresholds=split_t,
         merge_thresholds=merge_t,
     )
@@ -415,7 +430,14 @@ def assert_split_justified(sc: Scenario, decision: Split) -> None:
     assert seg.active
     assert 2 <= k <= policy.max_split_fanout
     assert n - 1 + k <= policy.max_segments
-    assert not within(sc.last_split_ms, policy.split_cooldown_seconds, now)
+    if policy.range_split_cooldown:  # only a young child of a split waits
+        young = 0 <= now - seg.created_at_ms < policy.split_cooldown_seconds * 1000
+        split_child = len(seg.parent_ids) == 1 or (
+            not seg.parent_ids and within(sc.last_split_ms, policy.split_cooldown_seconds, now)
+        )
+        assert not (young and split_child)
+    else:
+        assert not within(sc.last_split_ms, policy.split_cooldown_seconds, now)
     starts = (seg.hash_range.start, *decision.boundaries)
     ends = (*(b - 1 for b in decision.boundaries), seg.hash_range.end)
     assert all(e - s + 1 >= policy.min_split_width for s, e in zip(starts, ends, strict=True))
@@ -598,3 +620,247 @@ def test_decide_with_invalid_policy_never_acts(sc: Scenario, detail: str) -> Non
     )
     assert isinstance(decision, NoAction)
     assert decision.reason == "policy-invalid"
+
+
+# --- 8. PIP-483 parity, with every extension at its "off" value ------------------------------
+
+
+def pip483_reference(sc: Scenario) -> Decision:
+    """PIP-483's evaluator, written out independently of ``policy.decide``.
+
+    The rules of Pulsar's ``AutoScalePolicyEvaluator`` (pulsar-broker,
+    ``org/apache/pulsar/broker/service/scalable/AutoScalePolicyEvaluator.java``,
+    the PIP-483 version) as DESIGN §6 states them: split pass (consumer count,
+    then the highest of four rate ratios over 1), unless at max_segments or in
+    the split cooldown; else the merge pass (adjacent pairs, both below every
+    merge threshold for the window since the record's last change, merge depth
+    under max_dag_depth; the least combined load of the eight rates), unless at
+    min_segments or in the merge cooldown. Splits are binary at Pulsar's
+    midpoint (``HashRange``: ``mid = start + (end - start) / 2``). Ties go to
+    the lower segment id. NoAction reasons are ours, so only actions compare.
+    """
+    p, now = sc.policy, sc.now_ms
+    active = sc.layout.active_segments()
+    n = len(active)
+    if not p.enabled:
+        return NoAction("disabled")
+
+    def midpoint(seg_id: int) -> tuple[int, ...]:
+        rng = sc.layout.segments[seg_id].hash_range
+        return (rng.start + (rng.end - rng.start) // 2 + 1,)
+
+    def msg_in(seg_id: int) -> float:
+        s = sc.loads.get(seg_id)
+        return s.rates.msg_rate_in if s is not None else 0.0
+
+    in_split_cooldown = within(sc.last_split_ms, p.split_cooldown_seconds, now)
+    if n < p.max_segments and not in_split_cooldown:
+        consumers = max(sc.consumers.values(), default=0)
+        ids = sorted(s.segment_id for s in active)
+        if consumers > n:
+            busiest = max(ids, key=lambda i: (msg_in(i), -i))
+            return Split(busiest, midpoint(busiest), "consumer-count")
+        best: tuple[float, int, str] | None = None
+        for i in ids:
+            sample = sc.loads.get(i)
+            if sample is None:
+                continue
+            ratios = [
+                r / t
+                for r, t in zip(sample.rates.as_tuple(), p.split_thresholds.as_tuple(), strict=True)
+            ]
+            top = max(ratios)
+            if top > 1.0 and (best is None or top > best[0]):
+                best = (top, i, RATE_NAMES[ratios.index(top)])
+        if best is not None:
+            return Split(best[1], midpoint(best[1]), best[2])
+    if n <= p.min_segments or within(sc.last_merge_ms, p.merge_cooldown_seconds, now):
+        return NoAction("none")
+    depths = merge_depths(sc.layout.segments)
+
+    def cold(seg_id: int) -> bool:
+        s = sc.loads.get(seg_id)
+        return (
+            s is not None
+            and now - s.changed_at_ms >= p.merge_window_seconds * 1000.0
+            and all(
+                r < t
+                for r, t in zip(s.rates.as_tuple(), p.merge_thresholds.as_tuple(), strict=True)
+            )
+        )
+
+    pairs = []
+    for a, b in itertools.pairwise(active):
+        ia, ib = a.segment_id, b.segment_id
+        if cold(ia) and cold(ib) and depths[ia] < p.max_dag_depth and depths[ib] < p.max_dag_depth:
+            total = sum(sc.loads[ia].rates.as_tuple()) + sum(sc.loads[ib].rates.as_tuple())
+            pairs.append((total, min(ia, ib), max(ia, ib), ia, ib))
+    if not pairs:
+        return NoAction("none")
+    _, _, _, ia, ib = min(pairs)
+    return Merge(ia, ib, "cold")
+
+
+@st.composite
+def history_fields(draw: st.DrawFn, policy: PolicySettings, now: int) -> dict[str, Any]:
+    """Random values for every field of a sample that only our extensions read."""
+    n = draw(st.integers(1, 32))
+    return {
+        "hash_buckets": draw(
+            st.none() | st.lists(st.floats(0, 100), min_size=n, max_size=n).map(tuple)
+        ),
+        "peak_rates": draw(st.none() | st.just(0).map(lambda _: draw_rates(draw, policy, "any"))),
+        "flipflops": draw(st.integers(0, 9)),
+        "last_flipflop_ms": draw(st.none() | AGO.map(lambda ago: now - ago)),
+    }
+
+
+def off(policy: PolicySettings) -> PolicySettings:
+    """``policy`` with every extension the history fields feed at its off value."""
+    return dataclasses.replace(
+        policy,
+        peak_window_seconds=0.0,
+        merge_backoff_factor=1.0,
+        range_split_cooldown=False,
+        split_to_peak=False,
+        load_aware_splits=False,
+    )
+
+
+def with_history(sc: Scenario, data: st.DataObject) -> dict[int, LoadSample]:
+    return {
+        sid: dataclasses.replace(s, **data.draw(history_fields(sc.policy, sc.now_ms)))
+        for sid, s in sc.loads.items()
+    }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.data())
+def test_pulsar_parity_settings_decide_exactly_as_pip483(sc: Scenario, data: st.DataObject) -> None:
+    parity = PolicySettings(
+        **{
+            **{f: getattr(sc.policy, f) for f in PolicySettings.__dataclass_fields__},
+            **PULSAR_PARITY,
+        }
+    )
+    plain = {sid: dataclasses.replace(s, cold_since_ms=None) for sid, s in sc.loads.items()}
+    sc = dataclasses.replace(sc, policy=parity, loads=plain)
+    expected = pip483_reference(sc)
+    # History fields and histograms are ignored at these settings (load_aware_splits only
+    # acts on hashBuckets, which Pulsar never publishes: off here so that any may appear).
+    noisy = dataclasses.replace(sc, policy=dataclasses.replace(parity, load_aware_splits=False))
+    for decision in (sc.decide(), noisy.decide(with_history(noisy, data))):
+        event(f"{decision.action}/{decision.reason}")
+        if isinstance(expected, NoAction):
+            assert isinstance(decision, NoAction), decision
+        else:
+            assert decision_to_json(decision) | {"detail": ""} == decision_to_json(expected) | {
+                "detail": ""
+            }
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.data())
+def test_extensions_off_ignore_the_history_fields(sc: Scenario, data: st.DataObject) -> None:
+    sc = dataclasses.replace(sc, policy=off(sc.policy))
+    assert sc.decide(with_history(sc, data)) == sc.decide()
+
+
+@st.composite
+def extended_policies(draw: st.DrawFn, merge_friendly: bool = False) -> PolicySettings:
+    base = draw(policies(merge_friendly=merge_friendly))
+    return dataclasses.replace(
+        base,
+        peak_window_seconds=draw(st.sampled_from([0.0, 600.0, 21_600.0])),
+        merge_backoff_factor=draw(st.sampled_from([1.0, 2.0, 4.0])),
+        merge_backoff_decay_seconds=draw(st.sampled_from([60.0, 3_600.0, 86_400.0])),
+        range_split_cooldown=draw(st.booleans()),
+        split_to_peak=draw(st.booleans()),
+        load_aware_splits=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.booleans(), st.data())
+def test_extended_decisions_are_valid_and_time_changes_them_only_at_next_decision_ms(
+    sc: Scenario, cold_bias: bool, data: st.DataObject
+) -> None:
+    policy = data.draw(extended_policies(merge_friendly=cold_bias))
+    sc = dataclasses.replace(sc, policy=policy)
+    sc = dataclasses.replace(sc, loads=with_history(sc, data))
+    first = sc.decide()
+    event(f"{first.action}/{first.reason}")
+    assert violations(apply(sc.layout, first, now_ms=sc.now_ms + 1)) == []
+    if isinstance(first, Split):
+        starts = (sc.layout.segments[first.segment_id].hash_range.start, *first.boundaries)
+        ends = (
+            *(b - 1 for b in first.boundaries),
+            sc.layout.segments[first.segment_id].hash_range.end,
+        )
+        assert all(e - s + 1 >= policy.min_split_width for s, e in zip(starts, ends, strict=True))
+        assert len(first.boundaries) + 1 <= policy.max_split_fanout
+    if not may_act(sc.layout, sc.loads, sc.consumers, policy):
+        assert isinstance(first, NoAction)
+    wake = next_decision_ms(
+        sc.layout, sc.loads, policy, sc.now_ms, sc.last_split_ms, sc.last_merge_ms
+    )
+    horizon = wake if wake is not None else sc.now_ms + 10**9
+    assert horizon > sc.now_ms
+    later = data.draw(st.integers(sc.now_ms, horizon - 1), label="later")
+    moved = dataclasses.replace(sc, now_ms=later)
+    again = moved.decide()
+    assert again.action == first.action and again.reason == first.reason
+    assert decision_to_json(again)["segments"] == decision_to_json(first)["segments"]
+    if not may_act(sc.layout, sc.loads, sc.consumers, policy):
+        assert isinstance(again, NoAction)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(0, HASH_MAX - 1).flatmap(
+        lambda a: st.tuples(st.just(a), st.integers(a + 1, HASH_MAX))
+    ),
+    st.lists(st.floats(0, 1e4), min_size=1, max_size=32),
+    st.floats(1.0001, 40),
+    st.integers(2, 8),
+    st.sampled_from([1, 2, 16, 256, 1024]),
+)
+def test_load_aware_plans_are_valid_splits(
+    bounds: tuple[int, int], buckets: list[float], score: float, cap: int, min_width: int
+) -> None:
+    rng = HashRange(*bounds)
+    cap = min(cap, rng.width // min_width)
+    assume(cap >= 2)
+    plan = plan_split(rng, buckets, score, cap, min_width)
+    if plan is None:  # equal-width instead: no histogram, or no slice edge leaves both sides wide
+        edges = sorted({rng.start + (i * rng.width) // len(buckets) for i in range(len(buckets))})
+        cuts = [e for e in edges if e - rng.start >= min_width and rng.end + 1 - e >= min_width]
+        assert sum(buckets) == 0 or not cuts
+        return
+    event(f"children={len(plan.boundaries) + 1} refused={plan.refused}")
+    assert list(plan.boundaries) == sorted(set(plan.boundaries))
+    assert all(rng.start < b <= rng.end for b in plan.boundaries)
+    assert 2 <= len(plan.boundaries) + 1 <= cap
+    assert all(w >= min_width for w in plan.widths)
+    assert sum(plan.widths) == rng.width
+    assert sum(plan.loads) == pytest.approx(score)
+    if plan.refused:
+        hot = plan.loads.index(max(plan.loads))
+        assert plan.loads[hot] > 1.0 and plan.widths[hot] < 2 * min_width
+        relief = (score - plan.loads[hot]) / (score - 1.0)
+        assert relief < HOT_KEY_MIN_RELIEF  # it would relieve too little
+
+
+RATES_ST: Final = st.tuples(
+    *(st.sampled_from([0.0, 1.0, 999.0, 1000.0, 1001.0]) | st.floats(0, 2e4) for _ in range(4))
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(RATES_ST, RATES_ST, st.sampled_from([0.1, 0.25, 1.0]), st.booleans())
+def test_the_replays_quick_gate_agrees_with_should_write(
+    old: tuple[float, ...], new: tuple[float, ...], limit: float, crossing: bool
+) -> None:
+    rule = ReportRule(DEFAULT.split_thresholds, DEFAULT.merge_thresholds, limit, 0.0, crossing)
+    reason = should_write(rule, Rates(*old), Rates(*new), 0, 0)
+    assert Gate(rule).quiet(Rates(*old), Rates(*new)) == (reason is None)

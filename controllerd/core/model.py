@@ -151,13 +151,27 @@ class LoadSample:
     (None: unknown, e.g. plain Pulsar; the daemon substitutes the time it first
     saw the record). ``cold_since_ms`` is our DESIGN §8.1 extension: when the
     segment last became continuously cold; it supersedes ``changed_at_ms`` for
-    the merge window when present.
+    the merge window when present. The fields after it are ours too; each has a
+    neutral default, so a plain Pulsar record decides exactly as PIP-483 does.
     """
 
     rates: Rates
     changed_at_ms: int
     sampled_at_ms: int | None = None
     cold_since_ms: int | None = None
+    #: the reporter's load histogram over the segment's hash range (``hashBuckets``):
+    #: n slices of equal width (1 <= n <= 32), msg/s in per slice; only proportions
+    #: are used. None = unknown (Pulsar publishes none): the load is taken as uniform.
+    hash_buckets: tuple[float, ...] | None = None
+    #: ours, kept by the caller (:class:`controllerd.core.policy.TopicHistory`): the
+    #: per-rate maximum of this range's records within ``policy.peak_window_seconds``.
+    #: None = unknown: merges are judged on ``rates`` alone.
+    peak_rates: Rates | None = None
+    #: ours, kept by the caller: how many times this range flip-flopped (a merge
+    #: undone by a split within the merge window, or a split undone by a merge)
+    #: and when it last did; ``policy.merge_backoff_*`` lengthens its merge window.
+    flipflops: int = 0
+    last_flipflop_ms: int | None = None
 
 
 # --- decisions -------------------------------------------------------------
@@ -228,9 +242,8 @@ class PolicySettings:
     """Auto split/merge policy. Defaults are Pulsar's (PIP-483) unless marked ours.
 
     Durations are in seconds. A value of 0 for ``load_ttl_seconds`` disables the
-    staleness check (Pulsar behaviour). ``max_split_fanout = 2`` and
-    ``min_split_width = 1`` and ``merge_combined_max_ratio = inf`` together
-    reproduce Pulsar exactly.
+    staleness check (Pulsar behaviour). :data:`PULSAR_PARITY` lists the values of
+    our settings that together reproduce Pulsar exactly.
     """
 
     enabled: bool = True
@@ -241,10 +254,10 @@ class PolicySettings:
     max_split_fanout: int = 8
     split_cooldown_seconds: float = 60.0
     merge_cooldown_seconds: float = 300.0
-    #: ours: Pulsar's is 300 s. Chosen by backtest over the NAB traces (docs/backtest.md):
-    #: bursty traffic comes in clusters, and a 5-minute window merges between bursts
-    #: and splits again at the next one (flip-flops). Measured from cold-since
-    #: (DESIGN §8.1), 2 h costs 1.13x PIP-483's segment-hours, with no flip-flops.
+    #: ours: Pulsar's is 300 s. Chosen by ``controllerd tune`` over the nab + aws traces
+    #: (docs/backtest.md): bursty traffic comes in clusters, and a short window merges
+    #: between bursts and splits again at the next one (flip-flops). Measured from
+    #: cold-since (DESIGN §8.1), so noisy low traffic still merges.
     merge_window_seconds: float = 7200.0
     #: ours: a record whose sampledAtMs is older than this never justifies a merge.
     load_ttl_seconds: float = 900.0
@@ -254,6 +267,36 @@ class PolicySettings:
     #: ours: a merge is refused when the pair's combined rate reaches this
     #: fraction of the split threshold (it would re-split at once).
     merge_combined_max_ratio: float = 0.8
+    #: ours: seconds of load history a merge is judged on. A pair merges only if
+    #: the sum of each side's *peak* over this window stays below
+    #: ``merge_combined_max_ratio`` of the split thresholds (Kubernetes HPA's
+    #: scale-down stabilisation): a range that burst an hour ago keeps its
+    #: segments through the lull. 0 = judge the current load only (Pulsar). Needs
+    #: the caller to supply ``LoadSample.peak_rates`` (``TopicHistory`` does).
+    peak_window_seconds: float = 0.0
+    #: ours: each recent flip-flop of a range multiplies its merge window by this
+    #: (at most ``MAX_BACKOFF_STEPS`` times), so a range that merged too early
+    #: waits longer next time. 1 = off (Pulsar). Needs ``LoadSample.flipflops``.
+    #: 2 is what ``controllerd tune`` chose on the nab + aws traces (docs/backtest.md):
+    #: AWS disk-write bursts recur at irregular gaps that no fixed window fits.
+    merge_backoff_factor: float = 2.0
+    #: ours: seconds of calm (no flip-flop) after which one flip-flop is forgotten.
+    merge_backoff_decay_seconds: float = 86_400.0
+    #: ours: true = the split cooldown holds back only the children of a recent
+    #: split (whose first records are the noisiest); any other range over its
+    #: threshold splits at once. false = one split per topic per cooldown (Pulsar).
+    #: Chosen by ``controllerd tune``: when two ranges are hot at once the second no
+    #: longer waits a minute (less excess load at no cost).
+    range_split_cooldown: bool = True
+    #: ours: true = a traffic split gets enough children for the range's peak
+    #: within ``peak_window_seconds``, not just its current load (headroom for a
+    #: range whose load swings). false = for the current load (Pulsar's score).
+    split_to_peak: bool = False
+    #: ours: true = split boundaries equalise the children's load when the record
+    #: carries ``hashBuckets``, isolate a hot key into the narrowest allowed range
+    #: and refuse a split that would not relieve it (``hot-key``). Without
+    #: hashBuckets (Pulsar) boundaries are equal-width either way.
+    load_aware_splits: bool = True
     split_thresholds: Rates = Rates(10_000.0, 50e6, 50_000.0, 250e6)
     merge_thresholds: Rates = Rates(1_000.0, 5e6, 5_000.0, 25e6)
 
@@ -279,12 +322,18 @@ class PolicySettings:
             "merge_cooldown_seconds",
             "merge_window_seconds",
             "load_ttl_seconds",
+            "peak_window_seconds",
         ):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 bad(name, "a finite number >= 0", value)
         if not self.merge_combined_max_ratio > 0:
             bad("merge_combined_max_ratio", "> 0", self.merge_combined_max_ratio)
+        if not (self.merge_backoff_factor >= 1 and math.isfinite(self.merge_backoff_factor)):
+            bad("merge_backoff_factor", "a finite number >= 1", self.merge_backoff_factor)
+        decay = self.merge_backoff_decay_seconds
+        if not (decay > 0 and math.isfinite(decay)):
+            bad("merge_backoff_decay_seconds", "a finite number > 0", decay)
         split, merge = self.split_thresholds, self.merge_thresholds
         for attr in ("msg_rate_in", "byte_rate_in", "msg_rate_out", "byte_rate_out"):
             s, m = getattr(split, attr), getattr(merge, attr)
@@ -295,6 +344,24 @@ class PolicySettings:
             elif s > 0 and not s > m:
                 bad(f"split_thresholds.{attr}", f"> merge_thresholds.{attr} ({m!r})", s)
         return errs
+
+
+MAX_BACKOFF_STEPS: Final = 6
+"""At most this many flip-flops lengthen a merge window (factor ** 6 at most)."""
+
+PULSAR_PARITY: Final[Mapping[str, Any]] = {
+    "max_split_fanout": 2,
+    "min_split_width": 1,
+    "merge_combined_max_ratio": math.inf,
+    "load_ttl_seconds": 0.0,
+    "peak_window_seconds": 0.0,
+    "merge_backoff_factor": 1.0,
+    "range_split_cooldown": False,
+    "split_to_peak": False,
+}
+"""Our settings at the values that make ``decide`` PIP-483's evaluator, rule for rule
+(with samples that carry no ``cold_since_ms``). ``load_aware_splits`` needs no entry:
+Pulsar publishes no ``hashBuckets``, and without them boundaries are equal-width."""
 
 
 # --- JSON wire shapes (Pulsar field names) ----------------------------------
@@ -479,7 +546,47 @@ def load_sample_from_json(
     else:
         raise ModelError(f"{where}.changedAtMs: missing (and no sampledAtMs)")
     cold = _int(obj, "coldSinceMs", where) if obj.get("coldSinceMs") is not None else None
-    return LoadSample(rates, changed, sampled, cold)
+    peak = obj.get("peakRates")
+    flipflops = _int(obj, "flipflops", where, 0)
+    if flipflops < 0:
+        raise ModelError(f"{where}.flipflops: must be >= 0, got {flipflops!r}")
+    return LoadSample(
+        rates,
+        changed,
+        sampled,
+        cold,
+        hash_buckets=hash_buckets_from_json(obj.get("hashBuckets")),
+        peak_rates=rates_from_json(peak, f"{where}.peakRates") if peak is not None else None,
+        flipflops=flipflops,
+        last_flipflop_ms=_int(obj, "lastFlipflopMs", where)
+        if obj.get("lastFlipflopMs") is not None
+        else None,
+    )
+
+
+MAX_HASH_BUCKETS: Final = 32
+"""Most slices a ``hashBuckets`` histogram may have (the wire format's limit)."""
+
+
+def hash_buckets_from_json(value: Any) -> tuple[float, ...] | None:
+    """A ``hashBuckets`` array, or None when absent or malformed.
+
+    The wire format: 1 to 32 finite numbers >= 0; slice i of n covers hashes
+    ``[start + (i*W)//n, start + ((i+1)*W)//n - 1]`` of the segment's range.
+    A malformed histogram is dropped on its own and never rejects the record:
+    it only refines split boundaries, and without it they are equal-width.
+    """
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_HASH_BUCKETS:
+        return None
+    out: list[float] = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int | float):
+            return None
+        number = float(item)
+        if not (math.isfinite(number) and number >= 0):
+            return None
+        out.append(number)
+    return tuple(out)
 
 
 def load_sample_to_json(sample: LoadSample) -> dict[str, Any]:
@@ -495,4 +602,18 @@ def load_sample_to_json(sample: LoadSample) -> dict[str, Any]:
         out["sampledAtMs"] = sample.sampled_at_ms
     if sample.cold_since_ms is not None:
         out["coldSinceMs"] = sample.cold_since_ms
+    if sample.hash_buckets is not None:
+        out["hashBuckets"] = list(sample.hash_buckets)
+    if sample.peak_rates is not None:
+        p = sample.peak_rates
+        out["peakRates"] = {
+            "msgRateIn": p.msg_rate_in,
+            "byteRateIn": p.byte_rate_in,
+            "msgRateOut": p.msg_rate_out,
+            "byteRateOut": p.byte_rate_out,
+        }
+    if sample.flipflops:
+        out["flipflops"] = sample.flipflops
+    if sample.last_flipflop_ms is not None:
+        out["lastFlipflopMs"] = sample.last_flipflop_ms
     return out

@@ -1,9 +1,8 @@
 """The auto split/merge decision (DESIGN §6), pure: time and load come from the caller.
 
 ``decide`` is Pulsar PIP-483's evaluator rule for rule, plus our extensions,
-each of which a setting turns off (``max_split_fanout = 2``,
-``min_split_width = 1``, ``merge_combined_max_ratio = inf``,
-``load_ttl_seconds = 0``, no ``cold_since_ms`` in samples):
+each of which a setting turns off (:data:`controllerd.core.model.PULSAR_PARITY`;
+and no ``cold_since_ms`` in samples):
 
 * k-way splits, so a consumer burst or a k-times overload converges in one step;
 * no split that would leave a child narrower than ``min_split_width``;
@@ -11,23 +10,43 @@ each of which a setting turns off (``max_split_fanout = 2``,
   thresholds, nor one that leaves fewer segments than a subscription has
   consumers (either would re-split at once); ``inf`` turns both off;
 * no merge on stale load (``sampled_at_ms`` older than ``load_ttl_seconds``);
-* the merge window measured from ``cold_since_ms`` when the sample carries it.
+* the merge window measured from ``cold_since_ms`` when the sample carries it;
+* merges judged on each side's peak over ``peak_window_seconds`` (HPA's
+  scale-down stabilisation), and a merge window that grows with a range's
+  recent flip-flops (``merge_backoff_factor``);
+* a split cooldown that holds back only a recent split's children
+  (``range_split_cooldown``), and a fanout sized for the range's recent peak
+  (``split_to_peak``);
+* split boundaries from the reporter's ``hashBuckets``: children of equal load,
+  a hot key isolated in the narrowest allowed child, and no split that would
+  not relieve it (``hot-key``).
 
-Segments are visited in ascending id, so ties always go to the lower id.
+The history those rules need (peaks, flip-flops) is not decide's to keep: the
+caller keeps a :class:`TopicHistory` per topic and hands it in on the samples,
+so ``decide`` stays a function of its arguments. Segments are visited in
+ascending id, so ties always go to the lower id.
+
+The boundary search is hand-written (a greedy partition inside a bisection on
+the largest child load): it is twenty lines over at most 32 slices, and no
+library partitions a histogram under a minimum-width constraint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from controllerd.core.layout import MergeDepths, equal_boundaries
 from controllerd.core.model import (
+    MAX_BACKOFF_STEPS,
     RATE_NAMES,
     Decision,
+    HashRange,
     Layout,
     LoadSample,
     Merge,
@@ -59,6 +78,12 @@ _OVERRIDE_FIELDS: Final = {
     "loadTtlSeconds": "load_ttl_seconds",
     "minSplitWidth": "min_split_width",
     "mergeCombinedMaxRatio": "merge_combined_max_ratio",
+    "peakWindowSeconds": "peak_window_seconds",
+    "mergeBackoffFactor": "merge_backoff_factor",
+    "mergeBackoffDecaySeconds": "merge_backoff_decay_seconds",
+    "rangeSplitCooldown": "range_split_cooldown",
+    "splitToPeak": "split_to_peak",
+    "loadAwareSplits": "load_aware_splits",
 }
 _RATE_FIELDS: Final = ("msg_rate_in", "byte_rate_in", "msg_rate_out", "byte_rate_out")
 _THRESHOLD_KEYS: Final = {
@@ -80,6 +105,9 @@ _JAVA_INT_MIN: Final = -(2**31)
 _JAVA_INT_MAX: Final = 2**31 - 1
 _INT_FIELDS: Final = frozenset(
     {"min_segments", "max_segments", "max_dag_depth", "max_split_fanout", "min_split_width"}
+)
+_BOOL_FIELDS: Final = frozenset(
+    {"enabled", "range_split_cooldown", "split_to_peak", "load_aware_splits"}
 )
 
 
@@ -138,7 +166,7 @@ def _coerce(name: str, value: Any) -> _Value | str:
     JSON gives ints of any size and floats for integral numbers; both are
     normalised here so that no value that passed can crash ``decide`` later.
     """
-    if name == "enabled":
+    if name in _BOOL_FIELDS:
         return _Value(value) if isinstance(value, bool) else f"expected true/false, got {value!r}"
     if isinstance(value, bool) or not isinstance(value, int | float):
         return f"expected a number, got {value!r}"
@@ -182,12 +210,36 @@ def below(rates: Rates, limits: Rates) -> bool:
     )
 
 
+def backoff_steps(
+    flipflops: int, last_flipflop_ms: int | None, policy: PolicySettings, now_ms: int
+) -> int:
+    """Flip-flops a range still answers for: one is forgotten per ``merge_backoff_decay_seconds``
+    of calm since the last, and at most :data:`MAX_BACKOFF_STEPS` count."""
+    if flipflops <= 0:
+        return 0
+    if last_flipflop_ms is not None and now_ms > last_flipflop_ms:
+        flipflops -= int(
+            (now_ms - last_flipflop_ms) // (policy.merge_backoff_decay_seconds * 1000.0)
+        )
+    return max(0, min(flipflops, MAX_BACKOFF_STEPS))
+
+
+def merge_window_ms(sample: LoadSample, policy: PolicySettings, now_ms: int) -> float:
+    """How long (ms) this range must stay cold before it may merge: the merge window,
+    times ``merge_backoff_factor`` per flip-flop it still answers for."""
+    window = policy.merge_window_seconds * 1000.0
+    if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
+        steps = backoff_steps(sample.flipflops, sample.last_flipflop_ms, policy, now_ms)
+        window *= policy.merge_backoff_factor**steps
+    return window
+
+
 def is_cold(sample: LoadSample | None, policy: PolicySettings, now_ms: int) -> bool:
     """Merge-eligible: a fresh sample below every merge threshold for the whole window."""
     if sample is None or is_stale(sample, policy, now_ms):
         return False
     since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
-    return now_ms - since >= policy.merge_window_seconds * 1000.0 and below(
+    return now_ms - since >= merge_window_ms(sample, policy, now_ms) and below(
         sample.rates, policy.merge_thresholds
     )
 
@@ -266,25 +318,335 @@ def _too_narrow(ids: list[int], policy: PolicySettings, why: str) -> NoAction:
     )
 
 
+def _held_back(
+    active: Sequence[Segment], policy: PolicySettings, now_ms: int, last_split_ms: int | None
+) -> frozenset[int]:
+    """With ``range_split_cooldown``: children of a split younger than the split cooldown,
+    by their ``createdAtMs``, which the layout keeps. GC may have pruned a child's
+    parent (and its link to it): a parentless segment that young counts as a split's
+    child while the topic's own split stamp is within the cooldown, so the guarantee
+    survives a failover after GC, as the topic-wide cooldown does."""
+    if not policy.range_split_cooldown or policy.split_cooldown_seconds <= 0:
+        return frozenset()
+    cooldown_ms = policy.split_cooldown_seconds * 1000.0
+    recent_split = _within(last_split_ms, policy.split_cooldown_seconds, now_ms)
+    # A creation time ahead of our clock (skew) holds nothing back: a hot range splits.
+    return frozenset(
+        s.segment_id
+        for s in active
+        if 0 <= now_ms - s.created_at_ms < cooldown_ms
+        and (len(s.parent_ids) == 1 or (not s.parent_ids and recent_split))
+    )
+
+
+# --- split boundaries from the load histogram ----------------------------------------------
+
+
+HOT_KEY_MIN_RELIEF: Final = 0.1
+"""A split whose hottest child stays over the threshold, and can split no further, must
+take at least this share of the range's overload off it. Measured on ``hotkey:0.3``
+(docs/backtest.md): refusing below one half left a permanently hot key's segment
+wider than it could be, and its small extra load, summed over weeks, cost more
+excess load than the segments it saved."""
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """Where to split one range, and the load each child is expected to carry.
+
+    ``loads`` are in units of the split threshold (1.0 = at the threshold), from
+    the histogram's proportions times the range's score; ``widths`` in hashes.
+    ``refused`` is set when the split would not relieve the hot child (``hot-key``).
+    """
+
+    boundaries: tuple[int, ...]
+    loads: tuple[float, ...]
+    widths: tuple[int, ...]
+    refused: bool = False
+
+
+def _units(
+    hash_range: HashRange, buckets: Sequence[float]
+) -> tuple[list[int], list[int], list[float]]:
+    """Slices of the histogram as (starts, widths, weights), empty slices folded into the next.
+
+    Slice i of n covers ``[start + (i*W)//n, start + ((i+1)*W)//n - 1]`` (the
+    ``hashBuckets`` wire format); when W < n some slices are empty, and their
+    weight belongs to the hash the next slice starts at.
+    """
+    n, width, start = len(buckets), hash_range.width, hash_range.start
+    starts: list[int] = []
+    widths: list[int] = []
+    weights: list[float] = []
+    carry = 0.0
+    for i in range(n):
+        lo = start + (i * width) // n
+        hi = start + ((i + 1) * width) // n
+        if hi == lo:
+            carry += buckets[i]
+            continue
+        starts.append(lo)
+        widths.append(hi - lo)
+        weights.append(buckets[i] + carry)
+        carry = 0.0
+    if carry and weights:
+        weights[-1] += carry
+    return starts, widths, weights
+
+
+def _greedy(
+    widths: Sequence[int], loads: Sequence[float], limit: float, min_width: int
+) -> list[int] | None:
+    """Cut indices (first unit of each child after the first) of the fewest children, each at
+    least ``min_width`` wide and carrying at most ``limit``; None if impossible.
+
+    Each child takes the units it needs to be wide enough, then as many more as fit
+    under ``limit`` while the rest stays splittable (empty, or at least ``min_width``).
+    """
+    n = len(widths)
+    limit += 1e-9 * max(1.0, limit)  # sums in another order may differ in the last bit
+    remaining = sum(widths)
+    cuts: list[int] = []
+    last_load = 0.0
+    i = 0
+    while i < n:
+        first, width, load = i, 0, 0.0
+        while i < n and width < min_width:
+            width += widths[i]
+            load += loads[i]
+            i += 1
+        remaining -= width
+        if width < min_width:  # a tail too narrow for a child of its own joins the last one
+            if not cuts or last_load + load > limit:
+                return None
+            return cuts
+        if load > limit:
+            return None
+        while i < n and load + loads[i] <= limit:
+            rest = remaining - widths[i]
+            if rest != 0 and rest < min_width:
+                if load + sum(loads[i:]) <= limit:  # the whole tail fits: take it
+                    return [*cuts, first] if first > 0 else cuts
+                break
+            width += widths[i]
+            load += loads[i]
+            remaining = rest
+            i += 1
+        if first > 0:
+            cuts.append(first)
+        last_load = load
+    return cuts
+
+
+def _two(widths: Sequence[int], loads: Sequence[float], min_width: int) -> list[int] | None:
+    """The one cut (both sides at least ``min_width``) with the lighter heavier side."""
+    total_w, total = sum(widths), sum(loads)
+    best: tuple[float, int] | None = None
+    width = 0
+    load = 0.0
+    for i in range(len(widths) - 1):
+        width += widths[i]
+        load += loads[i]
+        if width >= min_width and total_w - width >= min_width:
+            key = (max(load, total - load), i + 1)
+            if best is None or key < best:
+                best = key
+    return [best[1]] if best is not None else None
+
+
+def _balanced(
+    widths: Sequence[int], loads: Sequence[float], children: int, min_width: int
+) -> list[int] | None:
+    """Cuts into 2..``children`` children minimising the largest child load (bisection)."""
+    cuts = _balanced_any(widths, loads, children, min_width)
+    if cuts is not None and not cuts and children >= 2:
+        return _two(widths, loads, min_width)
+    return cuts
+
+
+def _balanced_any(
+    widths: Sequence[int], loads: Sequence[float], children: int, min_width: int
+) -> list[int] | None:
+    """Cuts into at most ``children`` children minimising the largest child load (bisection)."""
+    total = sum(loads)
+    lo, hi = total / children, total
+    best = _greedy(widths, loads, hi, min_width)
+    if best is None:
+        return None
+    for _ in range(24):
+        mid = (lo + hi) / 2
+        cuts = _greedy(widths, loads, mid, min_width)
+        if cuts is not None and len(cuts) + 1 <= children:
+            best, hi = cuts, mid
+        else:
+            lo = mid
+    return best
+
+
+def _isolated(
+    widths: Sequence[int], loads: Sequence[float], children: int, min_width: int
+) -> list[int] | None:
+    """Cuts that give each slice over the threshold (a hot key) a child of its own, as narrow
+    as ``min_width`` allows (widened toward the lighter neighbour), and balance the cold
+    stretches between them; None if there is no hot slice or it needs more than ``children``.
+    """
+    n = len(widths)
+    blocks: list[tuple[int, int]] = []
+    for hot in sorted(range(n), key=lambda j: (-loads[j], j)):
+        if loads[hot] <= 1.0:
+            break
+        if any(a <= hot <= b for a, b in blocks):
+            continue
+        first = last = hot
+        width = widths[hot]
+        while width < min_width:
+            left = loads[first - 1] if first > 0 else math.inf
+            right = loads[last + 1] if last < n - 1 else math.inf
+            if left <= right:
+                first -= 1
+                width += widths[first]
+            else:
+                last += 1
+                width += widths[last]
+        blocks.append((first, last))
+    if not blocks:
+        return None
+    # Pieces in hash order: hot blocks (overlapping ones joined) and the cold stretches between.
+    pieces: list[list[int]] = []  # [first, last, hot]
+    pos = 0
+    for first, last in sorted(blocks):
+        if pieces and pieces[-1][2] and first <= pieces[-1][1]:  # overlapping hot blocks
+            pieces[-1][1] = max(pieces[-1][1], last)
+            pos = pieces[-1][1] + 1
+            continue
+        if first > pos:
+            pieces.append([pos, first - 1, 0])
+        pieces.append([first, last, 1])
+        pos = last + 1
+    if pos < n:
+        pieces.append([pos, n - 1, 0])
+    # A cold stretch too narrow to be a child joins the hot child before it (or after it).
+    kept: list[list[int]] = []
+    for piece in pieces:
+        if not piece[2] and sum(widths[piece[0] : piece[1] + 1]) < min_width:
+            if kept:
+                kept[-1][1] = piece[1]
+            else:
+                piece[2] = 2  # joins the next piece
+                kept.append(piece)
+            continue
+        if kept and kept[-1][2] == 2:
+            piece[0] = kept.pop()[0]
+        kept.append(piece)
+    cuts: list[int] = []
+    for first, last, hot in kept:
+        if first > 0:
+            cuts.append(first)
+        if hot:
+            continue
+        w, ld = widths[first : last + 1], loads[first : last + 1]
+        fewest = _greedy(w, ld, 1.0, min_width)
+        part = _balanced(w, ld, len(fewest) + 1, min_width) if fewest is not None else []
+        cuts.extend(first + c for c in part or ())
+    if len(cuts) + 1 > children:
+        return None
+    return sorted(cuts)
+
+
+def plan_split(
+    hash_range: HashRange,
+    buckets: Sequence[float],
+    score: float,
+    max_children: int,
+    min_width: int,
+) -> SplitPlan | None:
+    """Boundaries for a traffic split of a range whose load histogram is ``buckets``.
+
+    The fewest children (2..``max_children``) that bring every child under the
+    threshold, with boundaries that balance their loads; a slice that alone is
+    over the threshold (a hot key) gets a child of its own, as narrow as
+    ``min_width`` allows. Boundaries fall on slice edges: the histogram says
+    nothing finer. None when the histogram is empty (all zero): split equal-width.
+    The plan is ``refused`` when its hottest child would still be over the
+    threshold, too narrow to split again, and the split would take less than
+    :data:`HOT_KEY_MIN_RELIEF` of the range's overload off it: such a split adds a
+    segment without relieving the hot key.
+    """
+    starts, widths, weights = _units(hash_range, buckets)
+    total = sum(weights)
+    if total <= 0 or len(starts) < 2 or max_children < 2:
+        return None
+    loads = [w / total * score for w in weights]
+    cuts: list[int] | None = None
+    if max(loads) > 1.0:
+        cuts = _isolated(widths, loads, max_children, min_width) or None
+    if cuts is None:
+        fewest = _greedy(widths, loads, 1.0, min_width)
+        want = max_children if fewest is None else max(2, min(max_children, len(fewest) + 1))
+        cuts = _balanced(widths, loads, want, min_width)
+    if not cuts:
+        return None
+    edges = [0, *cuts, len(starts)]
+    child_loads = tuple(sum(loads[a:b]) for a, b in itertools.pairwise(edges))
+    child_widths = tuple(sum(widths[a:b]) for a, b in itertools.pairwise(edges))
+    hottest = max(range(len(child_loads)), key=child_loads.__getitem__)
+    # Relief: the share of the range's overload (score - 1) the split takes off its
+    # hottest part; with no further split possible, too little is not worth a segment.
+    relief = (score - child_loads[hottest]) / (score - 1.0) if score > 1.0 else 1.0
+    refused = (
+        child_loads[hottest] > 1.0
+        and child_widths[hottest] < 2 * min_width
+        and relief < HOT_KEY_MIN_RELIEF
+    )
+    return SplitPlan(tuple(starts[c] for c in cuts), child_loads, child_widths, refused)
+
+
+def _children_for(
+    seg: Segment, sample: LoadSample, score: float, cap: int, policy: PolicySettings
+) -> SplitPlan:
+    """The split of a hot range: load-aware when its record has a histogram, else equal-width."""
+    k_score = score
+    if policy.split_to_peak and policy.peak_window_seconds > 0 and sample.peak_rates is not None:
+        k_score = max(score, split_score(sample.peak_rates, policy.split_thresholds)[0])
+    if policy.load_aware_splits and sample.hash_buckets is not None:
+        plan = plan_split(seg.hash_range, sample.hash_buckets, k_score, cap, policy.min_split_width)
+        if plan is not None:
+            return plan
+    k = min(cap, max(2, math.ceil(k_score)))
+    return SplitPlan(equal_boundaries(seg.hash_range, k), (), ())
+
+
 def _split_pass(
     active: Sequence[Segment],
     loads: Mapping[int, LoadSample],
     max_consumers: int,
     policy: PolicySettings,
+    now_ms: int,
+    last_split_ms: int | None = None,
 ) -> Split | NoAction | None:
-    """A Split, a NoAction naming why a needed split is blocked, or None (nothing hot)."""
+    """A Split, a NoAction naming why a needed split is blocked, or None (nothing hot).
+
+    With ``range_split_cooldown``, children of a recent split are held back; that is
+    worked out only once something needs a split (the common case needs none).
+    """
     n = len(active)
     if max_consumers > n:
+        held = _held_back(active, policy, now_ms, last_split_ms)
         busiest: Segment | None = None
         narrow: list[int] = []
+        waiting: list[int] = []
         for seg in _by_id(active):
-            if _fanout_cap(seg, policy, n) < 2:
+            if seg.segment_id in held:
+                waiting.append(seg.segment_id)
+            elif _fanout_cap(seg, policy, n) < 2:
                 narrow.append(seg.segment_id)
             elif busiest is None or _msg_rate_in(loads.get(seg.segment_id)) > _msg_rate_in(
                 loads.get(busiest.segment_id)
             ):
                 busiest = seg
         if busiest is None:
+            if waiting and not narrow:
+                return _cooling(waiting, policy)
             return _too_narrow(narrow, policy, f"are needed by {max_consumers} consumers")
         k = min(_fanout_cap(busiest, policy, n), max(2, max_consumers - n + 1))
         return Split(
@@ -312,26 +674,65 @@ def _split_pass(
                 hot.append(seg)
     if not hot:
         return None
-    best: Segment | None = None
-    best_score, best_rate = 1.0, ""
+    held = _held_back(active, policy, now_ms, last_split_ms)
+    candidates: list[tuple[float, int, Segment, str]] = []
     hot_but_narrow: list[int] = []
-    for seg in _by_id(hot):
+    waiting = []
+    for seg in hot:
         score, rate = split_score(loads[seg.segment_id].rates, limits)
-        if _fanout_cap(seg, policy, n) < 2:
+        if seg.segment_id in held:
+            waiting.append(seg.segment_id)
+        elif _fanout_cap(seg, policy, n) < 2:
             hot_but_narrow.append(seg.segment_id)
-        elif score > best_score:
-            best, best_score, best_rate = seg, score, rate
-    if best is None:
-        return _too_narrow(hot_but_narrow, policy, "are over a split threshold")
-    k = min(_fanout_cap(best, policy, n), max(2, math.ceil(best_score)))
-    attr = _RATE_FIELDS[RATE_NAMES.index(best_rate)]
-    return Split(
-        best.segment_id,
-        equal_boundaries(best.hash_range, k),
-        best_rate,
-        f"segment {best.segment_id} {best_rate} "
-        f"{getattr(loads[best.segment_id].rates, attr):g}/s is "
-        f"{best_score:.2f}x the split threshold {getattr(limits, attr):g}/s; {k}-way split",
+        else:
+            candidates.append((-score, seg.segment_id, seg, rate))
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    refused: list[tuple[int, SplitPlan]] = []
+    for neg_score, sid, seg, rate in candidates:
+        sample = loads[sid]
+        plan = _children_for(seg, sample, -neg_score, _fanout_cap(seg, policy, n), policy)
+        if plan.refused:
+            refused.append((sid, plan))
+            continue
+        attr = _RATE_FIELDS[RATE_NAMES.index(rate)]
+        k = len(plan.boundaries) + 1
+        how = (
+            "load-aware split, children at "
+            + "/".join(f"{x:.2f}" for x in plan.loads)
+            + "x the threshold"
+            if plan.loads
+            else f"{k}-way split"
+        )
+        return Split(
+            sid,
+            plan.boundaries,
+            rate,
+            f"segment {sid} {rate} {getattr(sample.rates, attr):g}/s is "
+            f"{-neg_score:.2f}x the split threshold {getattr(limits, attr):g}/s; {how}",
+        )
+    if refused:
+        sid, plan = refused[0]
+        return NoAction(
+            "hot-key",
+            f"segment(s) {sorted(s for s, _ in refused)} are over a split threshold, but the "
+            f"best split of segment {sid} would leave a child {plan.widths[_argmax(plan.loads)]} "
+            f"hashes wide at {max(plan.loads):.2f}x the threshold: a hot key that no split "
+            f"can relieve (min_split_width {policy.min_split_width})",
+        )
+    if waiting and not hot_but_narrow:
+        return _cooling(sorted(waiting), policy)
+    return _too_narrow(sorted(hot_but_narrow), policy, "are over a split threshold")
+
+
+def _argmax(values: Sequence[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def _cooling(ids: list[int], policy: PolicySettings) -> NoAction:
+    return NoAction(
+        "split-cooldown",
+        f"segment(s) {ids} need a split but were created by a split less than "
+        f"{policy.split_cooldown_seconds:g}s ago",
     )
 
 
@@ -363,6 +764,19 @@ def _combined_ok(a: Rates, b: Rates, policy: PolicySettings) -> bool:
     )
 
 
+def _peak(sample: LoadSample) -> Rates:
+    """The sample's rates, raised to its window peak where that is higher."""
+    p, r = sample.peak_rates, sample.rates
+    if p is None:
+        return r
+    return Rates(
+        max(p.msg_rate_in, r.msg_rate_in),
+        max(p.byte_rate_in, r.byte_rate_in),
+        max(p.msg_rate_out, r.msg_rate_out),
+        max(p.byte_rate_out, r.byte_rate_out),
+    )
+
+
 def _cold_flags(
     active: Sequence[Segment],
     loads: Mapping[int, LoadSample],
@@ -377,6 +791,7 @@ def _cold_flags(
     m0, m1, m2, m3 = m.msg_rate_in, m.byte_rate_in, m.msg_rate_out, m.byte_rate_out
     window_ms = policy.merge_window_seconds * 1000.0
     ttl_ms = policy.load_ttl_seconds * 1000.0
+    backoff = policy.merge_backoff_factor > 1.0
     flags = []
     for seg in active:
         sample = loads.get(seg.segment_id)
@@ -386,12 +801,17 @@ def _cold_flags(
         r = sample.rates
         since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
         sampled = sample.sampled_at_ms
+        window = (
+            merge_window_ms(sample, policy, now_ms)
+            if backoff and sample.flipflops > 0
+            else window_ms
+        )
         flags.append(
             r.msg_rate_in < m0
             and r.byte_rate_in < m1
             and r.msg_rate_out < m2
             and r.byte_rate_out < m3
-            and now_ms - since >= window_ms
+            and now_ms - since >= window
             and not (ttl_ms > 0 and sampled is not None and now_ms - sampled > ttl_ms)
         )
     return flags
@@ -407,6 +827,7 @@ def _merge_pass(
     cold = _cold_flags(active, loads, policy, now_ms)
     depths: MergeDepths | None = None
     best: tuple[float, int, int] | None = None
+    on_peak = policy.peak_window_seconds > 0
     for i in range(len(active) - 1):
         if not (cold[i] and cold[i + 1]):
             continue
@@ -417,8 +838,12 @@ def _merge_pass(
             continue
         if depths[b.segment_id] >= policy.max_dag_depth:
             continue
-        ra, rb = loads[a.segment_id].rates, loads[b.segment_id].rates
-        if not _combined_ok(ra, rb, policy):
+        sa, sb = loads[a.segment_id], loads[b.segment_id]
+        ra, rb = sa.rates, sb.rates
+        if on_peak:
+            if not _combined_ok(_peak(sa), _peak(sb), policy):
+                continue
+        elif not _combined_ok(ra, rb, policy):
             continue
         key = (
             sum(ra.as_tuple()) + sum(rb.as_tuple()),
@@ -456,7 +881,9 @@ def decide(
 
     Args:
         layout: a layout that holds the invariants (``layout.check``).
-        loads: load samples by segment id; a missing sample is never cold.
+        loads: load samples by segment id; a missing sample is never cold. The
+            history fields (``peak_rates``, ``flipflops``) come from the
+            caller's :class:`TopicHistory`; without them those rules are off.
         consumers: consumer count per STREAM/CHECKPOINT subscription (QUEUE
             subscriptions must be left out by the caller); the max is used.
         policy: the resolved policy for this topic.
@@ -471,7 +898,10 @@ def decide(
     n = len(active)
     max_consumers = max(consumers.values(), default=0)
     blocked: NoAction | None = None
-    if n >= policy.max_segments or _within(last_split_ms, policy.split_cooldown_seconds, now_ms):
+    topic_cooldown = not policy.range_split_cooldown and _within(
+        last_split_ms, policy.split_cooldown_seconds, now_ms
+    )
+    if n >= policy.max_segments or topic_cooldown:
         hot = _hot_segments(active, loads, max_consumers, policy)
         if hot:
             at_max = n >= policy.max_segments
@@ -485,7 +915,7 @@ def decide(
                 ),
             )
     else:
-        result = _split_pass(active, loads, max_consumers, policy)
+        result = _split_pass(active, loads, max_consumers, policy, now_ms, last_split_ms)
         if isinstance(result, Split):
             return result
         blocked = result
@@ -511,3 +941,342 @@ def decide(
             if merged is not None:
                 return merged
     return blocked or NoAction("balanced", f"{n} active segments; no split or merge is due")
+
+
+def may_act(
+    layout: Layout,
+    loads: Mapping[int, LoadSample],
+    consumers: Mapping[str, int],
+    policy: PolicySettings | PolicyInvalid,
+) -> bool:
+    """False only when ``decide`` answers NoAction with these inputs at *any* time.
+
+    Every operation needs a record over a split threshold, more consumers than
+    segments, or two adjacent records below every merge threshold; time only
+    gates them. A cheap pre-check for callers that re-evaluate on every change
+    (the backtest's replay): kept beside ``decide`` so the two change together.
+    """
+    if isinstance(policy, PolicyInvalid) or not policy.enabled:
+        return False
+    active = layout.active_segments()
+    if max(consumers.values(), default=0) > len(active):
+        return True
+    s, m = policy.split_thresholds, policy.merge_thresholds
+    merging = len(active) > policy.min_segments
+    was_cold = False
+    for seg in active:
+        sample = loads.get(seg.segment_id)
+        if sample is None:
+            was_cold = False
+            continue
+        r = sample.rates
+        if (
+            r.msg_rate_in > s.msg_rate_in
+            or r.byte_rate_in > s.byte_rate_in
+            or r.msg_rate_out > s.msg_rate_out
+            or r.byte_rate_out > s.byte_rate_out
+        ):
+            return True
+        cold = (
+            r.msg_rate_in < m.msg_rate_in
+            and r.byte_rate_in < m.byte_rate_in
+            and r.msg_rate_out < m.msg_rate_out
+            and r.byte_rate_out < m.byte_rate_out
+        )
+        if merging and cold and was_cold:
+            return True
+        was_cold = cold
+    return False
+
+
+def next_decision_ms(
+    layout: Layout,
+    loads: Mapping[int, LoadSample],
+    policy: PolicySettings | PolicyInvalid,
+    now_ms: int,
+    last_split_ms: int | None = None,
+    last_merge_ms: int | None = None,
+) -> int | None:
+    """The earliest time after ``now_ms`` at which ``decide`` could answer differently
+    with the same inputs, or None if time alone never changes its answer.
+
+    Time enters ``decide`` only through cooldowns, merge windows (and their
+    backoff decay) and record staleness; this lists when each runs out. It is
+    conservative: a time may come before any change, never after one. A caller
+    that holds its inputs still (the backtest's event-driven replay, a daemon
+    timer) need not decide again before it.
+    """
+    if isinstance(policy, PolicyInvalid) or not policy.enabled:
+        return None
+    found: list[float] = []
+
+    def at_or_after(t: float) -> None:  # a ">=" condition turns true at t
+        if t > now_ms:
+            found.append(math.ceil(t))
+
+    def after(t: float) -> None:  # a ">" condition turns true just after t
+        if math.floor(t) + 1 > now_ms:
+            found.append(math.floor(t) + 1)
+
+    split_ms = policy.split_cooldown_seconds * 1000.0
+    if last_split_ms is not None and last_split_ms >= 0:
+        at_or_after(last_split_ms + split_ms)
+    if last_merge_ms is not None and last_merge_ms >= 0:
+        at_or_after(last_merge_ms + policy.merge_cooldown_seconds * 1000.0)
+    ttl_ms = policy.load_ttl_seconds * 1000.0
+    decay_ms = policy.merge_backoff_decay_seconds * 1000.0
+    for seg in layout.active_segments():
+        if policy.range_split_cooldown and len(seg.parent_ids) <= 1:
+            at_or_after(seg.created_at_ms)
+            at_or_after(seg.created_at_ms + split_ms)
+        sample = loads.get(seg.segment_id)
+        if sample is None:
+            continue
+        since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
+        at_or_after(since + merge_window_ms(sample, policy, now_ms))
+        if ttl_ms > 0 and sample.sampled_at_ms is not None:
+            after(sample.sampled_at_ms + ttl_ms)
+        if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
+            last = sample.last_flipflop_ms
+            if last is not None and now_ms >= last:
+                at_or_after(last + ((now_ms - last) // decay_ms + 1) * decay_ms)
+    return int(min(found)) if found else None
+
+
+# --- the history decide's history-based rules read ------------------------------------------
+
+
+@dataclass(slots=True)
+class _Range:
+    """One segment's history: per rate, a deque of (t_ms, value) with values decreasing
+    (a monotonic queue: its head is the window's maximum), and its flip-flops."""
+
+    peaks: tuple[deque[tuple[int, float]], ...] = field(
+        default_factory=lambda: (deque(), deque(), deque(), deque())
+    )
+    flipflops: int = 0
+    last_flipflop_ms: int | None = None
+
+
+class TopicHistory:
+    """What the history-based rules need, kept by the caller for one topic (pure, no clock).
+
+    ``decide`` is a function of its inputs; the peak of each range's load over
+    ``peak_window_seconds`` and its flip-flops are history, so the caller keeps
+    them here and :meth:`annotate` copies them onto the samples it passes in.
+    The backtest simulator uses it as the daemon would:
+
+    * :meth:`observe` every load record written (heartbeats, same rates, may be skipped);
+    * :meth:`applied` after each split or merge is applied;
+    * :meth:`forget` segments no longer active;
+    * :meth:`annotate` each sample before ``decide``.
+
+    A split child inherits its parent's peaks scaled by its share of the
+    parent's load (from the histogram when the record has one, else by width); a
+    merge child inherits the sum of its parents' peaks, stamped with the later
+    of their times. A flip-flop is a split of a merge child, or a merge of a
+    split child, within that range's merge window of its creation; children
+    inherit the flip-flops their parent still answers for. Losing this state
+    (a restart) only makes merges judge the current load and the plain window.
+    """
+
+    def __init__(self) -> None:
+        self._ranges: dict[int, _Range] = {}
+
+    def __contains__(self, segment_id: object) -> bool:
+        return segment_id in self._ranges
+
+    def observe(self, segment_id: int, rates: Rates, now_ms: int, policy: PolicySettings) -> None:
+        """A record of ``rates`` was written for ``segment_id`` at ``now_ms``."""
+        window_ms = policy.peak_window_seconds * 1000.0
+        if window_ms <= 0:
+            return
+        state = self._ranges.get(segment_id)
+        if state is None:
+            state = self._ranges[segment_id] = _Range()
+        for queue, value in zip(state.peaks, rates.as_tuple(), strict=True):
+            while queue and queue[-1][1] <= value:
+                queue.pop()
+            queue.append((now_ms, value))
+            while queue[0][0] < now_ms - window_ms:
+                queue.popleft()
+
+    def peak(self, segment_id: int, now_ms: int, policy: PolicySettings) -> Rates | None:
+        """Per-rate maximum of the records within the window, or None if none is."""
+        state = self._ranges.get(segment_id)
+        window_ms = policy.peak_window_seconds * 1000.0
+        if state is None or window_ms <= 0:
+            return None
+        _expire(state, now_ms - window_ms)
+        values = [queue[0][1] if queue else 0.0 for queue in state.peaks]
+        if not any(state.peaks):
+            return None
+        return Rates(*values)
+
+    def next_expiry_ms(self, now_ms: int, policy: PolicySettings) -> int | None:
+        """When the oldest peak still counted leaves the window (the peak may drop then)."""
+        window_ms = policy.peak_window_seconds * 1000.0
+        if window_ms <= 0:
+            return None
+        for state in self._ranges.values():
+            _expire(state, now_ms - window_ms)
+        heads = [q[0][0] for r in self._ranges.values() for q in r.peaks if q]
+        if not heads:
+            return None
+        return max(now_ms + 1, math.floor(min(heads) + window_ms) + 1)
+
+    def annotate(
+        self, segment_id: int, sample: LoadSample, now_ms: int, policy: PolicySettings
+    ) -> LoadSample:
+        """``sample`` with this range's peak and flip-flops (unchanged if it has none)."""
+        state = self._ranges.get(segment_id)
+        if state is None:
+            return sample
+        peak = self.peak(segment_id, now_ms, policy)
+        if peak is None and state.flipflops == 0:
+            return sample
+        return dataclasses.replace(
+            sample,
+            peak_rates=peak,
+            flipflops=state.flipflops,
+            last_flipflop_ms=state.last_flipflop_ms,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole history as JSON, for a caller that persists it across a failover."""
+        return {
+            str(sid): {
+                "peaks": [[[t, v] for t, v in q] for q in state.peaks],
+                "flipflops": state.flipflops,
+                "lastFlipflopMs": state.last_flipflop_ms,
+            }
+            for sid, state in sorted(self._ranges.items())
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TopicHistory:
+        """The inverse of :meth:`to_json`; anything malformed is dropped (history is advice)."""
+        history = cls()
+        if not isinstance(obj, Mapping):
+            return history
+        for key, raw in obj.items():
+            try:
+                sid = int(key)
+                peaks = tuple(
+                    deque((int(t), float(v)) for t, v in queue) for queue in raw.get("peaks", [])
+                )
+                last = raw.get("lastFlipflopMs")
+                state = _Range(
+                    flipflops=max(0, int(raw.get("flipflops", 0))),
+                    last_flipflop_ms=int(last) if last is not None else None,
+                )
+            except (TypeError, ValueError, AttributeError):
+                continue
+            if len(peaks) == 4:
+                state.peaks = peaks
+            history._ranges[sid] = state
+        return history
+
+    def forget(self, keep: Iterable[int]) -> None:
+        """Drop every segment not in ``keep`` (the active ones)."""
+        wanted = set(keep)
+        for sid in [s for s in self._ranges if s not in wanted]:
+            del self._ranges[sid]
+
+    def applied(
+        self,
+        before: Layout,
+        decision: Split | Merge,
+        after: Layout,
+        now_ms: int,
+        policy: PolicySettings,
+        loads: Mapping[int, LoadSample],
+    ) -> bool:
+        """Carry history over to the new segments of ``decision``; True if it was a flip-flop
+        (by this class's definition, which judges against the range's merge window)."""
+        if isinstance(decision, Split):
+            parents: tuple[int, ...] = (decision.segment_id,)
+            parent = before.segments[decision.segment_id]
+            children = after.segments[decision.segment_id].child_ids
+        else:
+            parents = (decision.a, decision.b)
+            merged = after.segments[decision.a].child_ids
+            children = merged[:1]
+        states = [self._ranges.get(p) for p in parents]
+        window_ms = policy.peak_window_seconds * 1000.0
+        for state in states:
+            if state is not None:
+                _expire(state, now_ms - window_ms)
+        flipflop = False
+        counts: list[int] = []
+        lasts: list[int] = []
+        for pid, state in zip(parents, states, strict=True):
+            seg = before.segments[pid]
+            count = state.flipflops if state is not None else 0
+            last = state.last_flipflop_ms if state is not None else None
+            steps = backoff_steps(count, last, policy, now_ms)
+            undoes = 2 if isinstance(decision, Split) else 1
+            window = policy.merge_window_seconds * 1000.0
+            if policy.merge_backoff_factor > 1.0:
+                window *= policy.merge_backoff_factor**steps
+            if len(seg.parent_ids) == undoes and now_ms - seg.created_at_ms < window:
+                flipflop = True
+            counts.append(steps)
+            if last is not None:
+                lasts.append(last)
+        count = max(counts) + (1 if flipflop else 0)
+        last_ff = now_ms if flipflop else (max(lasts) if lasts else None)
+        if isinstance(decision, Split):
+            state = states[0]
+            shares = _child_shares(parent, after, children, loads.get(parent.segment_id))
+            for child, share in zip(children, shares, strict=True):
+                new = _Range(flipflops=count, last_flipflop_ms=last_ff)
+                if state is not None:
+                    new.peaks = tuple(deque((t, v * share) for t, v in q) for q in state.peaks)
+                if count or any(new.peaks):
+                    self._ranges[child] = new
+        else:
+            new = _Range(flipflops=count, last_flipflop_ms=last_ff)
+            peaks = []
+            for k in range(4):
+                heads = [s.peaks[k][0] for s in states if s is not None and s.peaks[k]]
+                if heads:
+                    peaks.append(deque([(max(t for t, _ in heads), sum(v for _, v in heads))]))
+                else:
+                    peaks.append(deque())
+            new.peaks = tuple(peaks)
+            if count or any(new.peaks):
+                self._ranges[children[0]] = new
+        for pid in parents:
+            self._ranges.pop(pid, None)
+        return flipflop
+
+
+def _expire(state: _Range, oldest_ms: float) -> None:
+    """Drop the peaks recorded before ``oldest_ms``: they left the window."""
+    for queue in state.peaks:
+        while queue and queue[0][0] < oldest_ms:
+            queue.popleft()
+
+
+def _child_shares(
+    parent: Segment, after: Layout, children: Sequence[int], sample: LoadSample | None
+) -> list[float]:
+    """Each split child's share of the parent's load: by histogram if known, else by width."""
+    width = parent.hash_range.width
+    ranges = [after.segments[c].hash_range for c in children]
+    buckets = sample.hash_buckets if sample is not None else None
+    if buckets:
+        starts, widths, weights = _units(parent.hash_range, buckets)
+        total = sum(weights)
+        if total > 0:
+            shares = []
+            for rng in ranges:
+                got = 0.0
+                for s, w, x in zip(starts, widths, weights, strict=True):
+                    overlap = min(s + w - 1, rng.end) - max(s, rng.start) + 1
+                    if overlap > 0:
+                        got += x * overlap / w
+                shares.append(got / total)
+            return shares
+    return [r.width / width for r in ranges]

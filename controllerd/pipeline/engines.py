@@ -7,39 +7,58 @@ variant) to the *same* :class:`GroupRunner`, which rebuilds the trace, runs
 from ``groupBy("trace", "variant").applyInPandas(...)``. The runner sorts its
 input by ``seq`` first, so the order Spark delivers rows in cannot matter, and
 Arrow carries int64 and float64 exactly: the metrics are bit-identical.
+
+On a cluster (``--master spark://HOST:7077``) the executors need our code:
+:func:`ship_code` zips the ``controllerd`` package the driver imported and adds
+it with ``SparkContext.addPyFile``, then checks that an executor imports
+``controllerd`` from that zip (not from some other installed copy, which would
+silently replay another policy). Recorded histories are read by the executors
+themselves (``spark.read.parquet``), so their path must be one every executor
+can reach (a shared file system, HDFS, S3); CSV series are small and travel
+from the driver. Spark's and py4j's logging is cut to errors (a quiet log4j2
+configuration for the JVMs), so a run prints only its own progress.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import sys
+import tempfile
 import threading
 import uuid
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import pandas as pd
 
+import controllerd
 from controllerd.core.model import Rates
+from controllerd.errors import EXIT_UNAVAILABLE, EXIT_USAGE, OperatorError
 from controllerd.pipeline.load import Skew, Trace, source_for
 from controllerd.pipeline.simulate import METRIC_COLUMNS, SimResult, Strategy, Timeline, simulate
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, Variant
 
 if TYPE_CHECKING:
+    from pyspark.sql import DataFrame as SparkFrame
     from pyspark.sql import SparkSession
 
 Engine = Literal["local", "spark"]
 
 RATE_COLUMNS: Final = ("msg_rate_in", "byte_rate_in", "msg_rate_out", "byte_rate_out")
-TRACE_COLUMNS: Final = ("trace", "kind", "seq", "t_ms", "start", "end", *RATE_COLUMNS)
+TRACE_COLUMNS: Final = ("trace", "kind", "seq", "t_ms", "start", "end", *RATE_COLUMNS, "buckets")
 TRACE_DDL: Final = (
     "trace string, kind string, seq long, t_ms long, start int, end int, "
     + ", ".join(f"{c} double" for c in RATE_COLUMNS)
+    + ", buckets array<double>"
 )
 _INT_METRICS: Final = frozenset(
     {
@@ -60,6 +79,7 @@ _TIMELINE_DDL: Final = ", ".join(
         ("load", "array<double>"),
         ("hottest", "array<double>"),
         ("segments", "array<int>"),
+        ("segments_mean", "array<double>"),
     )
 )
 RESULT_DDL: Final = (
@@ -93,6 +113,11 @@ def trace_frame(trace: Trace) -> pd.DataFrame:
         "end": trace.end,
     }
     data.update({c: rates[i] for i, c in enumerate(RATE_COLUMNS)})
+    data["buckets"] = (
+        [list(b) if b is not None else None for b in trace.buckets]
+        if trace.buckets is not None
+        else [None] * n
+    )
     frame = pd.DataFrame(data)
     return frame.astype({"seq": "int64", "t_ms": "int64", "start": "int32", "end": "int32"})
 
@@ -101,6 +126,8 @@ def frame_trace(frame: pd.DataFrame) -> Trace:
     """The inverse of :func:`trace_frame`, whatever order the rows arrive in."""
     frame = frame.sort_values("seq", kind="stable")
     rates = zip(*(frame[c].astype("float64").tolist() for c in RATE_COLUMNS), strict=True)
+    raw = frame["buckets"].tolist() if "buckets" in frame else []
+    buckets = [tuple(float(x) for x in b) if b is not None else None for b in raw]
     return Trace(
         str(frame["trace"].iloc[0]),
         "history" if frame["kind"].iloc[0] == "history" else "series",
@@ -108,6 +135,7 @@ def frame_trace(frame: pd.DataFrame) -> Trace:
         [int(s) for s in frame["start"].tolist()],
         [int(e) for e in frame["end"].tolist()],
         [(a, b, c, d) for a, b, c, d in rates],
+        buckets if any(b is not None for b in buckets) else None,
     )
 
 
@@ -151,6 +179,7 @@ def result_frame(trace: str, variant: str, result: SimResult) -> pd.DataFrame:
         row[f"{prefix}_load"] = [float(x) for x in timeline.load]
         row[f"{prefix}_hottest"] = [float(x) for x in timeline.hottest]
         row[f"{prefix}_segments"] = [int(x) for x in timeline.segments]
+        row[f"{prefix}_segments_mean"] = [float(x) for x in timeline.segments_mean]
     row["operations_json"] = json.dumps([asdict(op) for op in result.operations])
     return pd.DataFrame([row])
 
@@ -162,14 +191,18 @@ def timeline_of(row: Mapping[str, Any], prefix: str = "tl") -> Timeline:
         [float(x) for x in row[f"{prefix}_load"]],
         [float(x) for x in row[f"{prefix}_hottest"]],
         [int(x) for x in row[f"{prefix}_segments"]],
+        [float(x) for x in row[f"{prefix}_segments_mean"]],
     )
 
 
 def _ordered(
     results: pd.DataFrame, traces: Sequence[Trace], variants: Sequence[Variant]
 ) -> pd.DataFrame:
-    """Rows in input order (traces, then variants), metrics with their contract dtypes."""
-    t_rank = {t.name: i for i, t in enumerate(traces)}
+    """Rows in input order (traces, then variants), metrics with their contract dtypes;
+    traces Spark read itself (recorded histories) come after, by name."""
+    names = [t.name for t in traces]
+    names += sorted(set(results["trace"]) - set(names))
+    t_rank = {name: i for i, name in enumerate(names)}
     v_rank = {v.name: i for i, v in enumerate(variants)}
     results = results.assign(
         _t=results["trace"].map(t_rank), _v=results["variant"].map(v_rank)
@@ -218,27 +251,175 @@ def run_local(
     return _ordered(pd.concat(done, ignore_index=True), traces, variants)
 
 
+QUIET_LOG4J2: Final = """\
+# controllerd: Spark's JVMs log errors only (the backtest prints its own progress).
+rootLogger.level = error
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n%ex
+# PySpark's JVM counts as a shell: Spark sets the root level to its main class's
+# (WARN unless configured here) and says so on stderr.
+logger.gateway.name = org.apache.spark.api.python.PythonGatewayServer
+logger.gateway.level = error
+"""
+
+
+def quiet_log4j2() -> str:
+    """A log4j2 configuration file that logs errors only: one per content and user, written
+    atomically (a rename), so concurrent runs share it and none leaves one behind."""
+    digest = hashlib.sha256(QUIET_LOG4J2.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"controllerd-log4j2-{os.getuid()}-{digest}.properties"
+    if not path.exists():
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8"
+        ) as fh:
+            fh.write(QUIET_LOG4J2)
+        os.replace(fh.name, path)
+    return path.as_uri()
+
+
 def spark_session(master: str = "local[*]", app_name: str = "controllerd-backtest") -> SparkSession:
     """A SparkSession for the backtest (or the active one: Spark allows one per driver).
 
-    Local masters run Python workers on this interpreter; on a cluster, the
-    executors need ``controllerd[spark]`` installed (or ``--py-files``).
+    Local masters run Python workers on this interpreter. On a ``spark://``
+    master on this machine the executors do too (``spark.pyspark.python``);
+    elsewhere set ``PYSPARK_PYTHON`` to an interpreter the executors have, with
+    pandas and pyarrow. Either way our own code is shipped (:func:`ship_code`).
+    Spark and py4j log errors only.
     """
-    from pyspark.sql import SparkSession
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise missing_spark_extra() from None
 
-    if master.startswith("local"):
+    local = master.startswith("local")
+    host = master.removeprefix("spark://").split(":")[0]
+    if local or host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    logging.getLogger("py4j").setLevel(logging.ERROR)
+    quiet = f"-Dlog4j2.configurationFile={quiet_log4j2()}"
     builder: Any = SparkSession.builder
-    session: SparkSession = (
+    builder = (
         builder.master(master)
         .appName(app_name)
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
+        .config("spark.driver.extraJavaOptions", quiet)
+        .config("spark.executor.extraJavaOptions", quiet)
     )
+    if not local and "PYSPARK_PYTHON" in os.environ:
+        builder = builder.config("spark.pyspark.python", os.environ["PYSPARK_PYTHON"])
+    try:
+        session: SparkSession = builder.getOrCreate()
+    except Exception as exc:  # py4j/JVM errors have no common type; name the setting
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise OperatorError(
+            f"cannot start Spark on {master}: {first}",
+            exit_code=EXIT_UNAVAILABLE,
+            setting="--master",
+        ) from None
+    session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def missing_spark_extra() -> OperatorError:
+    """The one-line error for a command that needs the ``spark`` extra."""
+    from controllerd.pipeline.cli import missing_extra
+
+    return missing_extra()
+
+
+_SHIPPED: dict[str, str] = {}  # Spark application id -> where its executors import us from
+
+
+def package_zip(directory: str | None = None) -> Path:
+    """A zip of the ``controllerd`` package this driver imported (its ``.py`` files)."""
+    root = Path(controllerd.__file__).resolve().parent
+    out = Path(directory or tempfile.mkdtemp(prefix="controllerd-ship-")) / "controllerd.zip"
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(root.rglob("*.py")):
+            zf.write(path, Path("controllerd") / path.relative_to(root))
+    return out
+
+
+def _origin(_: object) -> str:
+    import controllerd as shipped
+
+    return str(shipped.__file__)
+
+
+def ship_code(spark: SparkSession) -> str:
+    """Make the executors import this driver's ``controllerd``; returns where they do.
+
+    Once per SparkContext: zip the package, ``addPyFile`` it, then run one tiny
+    task to check an executor imports ``controllerd`` from the zip (or, on this
+    machine, from the very files the driver imported). Raises
+    :class:`OperatorError` if it does not: another copy shadows ours.
+    """
+    sc = spark.sparkContext
+    key = str(sc.applicationId)
+    if key in _SHIPPED:
+        return _SHIPPED[key]
+    archive = package_zip()
+    sc.addPyFile(str(archive))
+    origin = sc.parallelize([0], 1).map(_origin).collect()[0]
+    if archive.name not in origin and origin != str(controllerd.__file__):
+        raise OperatorError(
+            f"Spark executors import controllerd from {origin}, not the shipped code; "
+            "remove that copy from the executors' Python path",
+            exit_code=EXIT_USAGE,
+            setting="--master",
+        )
+    _SHIPPED[key] = origin
+    return origin
+
+
+def history_rows(spark: SparkSession, root: str, max_hours: float | None = None) -> SparkFrame:
+    """A recorded history as trace rows (:data:`TRACE_DDL`), read by the executors.
+
+    One trace per topic: its load rows with a known hash range, in time order
+    (then etcd revision), as :func:`controllerd.pipeline.traces.import_history`
+    builds them on one machine.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    loads = spark.read.parquet(str(Path(root).resolve() / "loads"))
+    if "hash_buckets" not in loads.columns:
+        loads = loads.withColumn("hash_buckets", F.lit(None).cast("array<double>"))
+    loads = loads.where(F.col("range_start").isNotNull())
+    if max_hours is not None:
+        first = F.min("t_ms").over(Window.partitionBy("topic"))
+        loads = loads.where(F.col("t_ms") <= first + F.lit(max_hours * 3_600_000))
+    order = Window.partitionBy("topic").orderBy("t_ms", "mod_revision")
+    return loads.select(
+        F.col("topic").alias("trace"),
+        F.lit("history").alias("kind"),
+        (F.row_number().over(order) - 1).cast("long").alias("seq"),
+        F.col("t_ms").cast("long"),
+        F.col("range_start").cast("int").alias("start"),
+        F.col("range_end").cast("int").alias("end"),
+        *(F.col(c).cast("double") for c in RATE_COLUMNS),
+        F.col("hash_buckets").cast("array<double>").alias("buckets"),
+    )
+
+
+def history_topics(spark: SparkSession, root: str) -> set[str]:
+    """The topics of a recorded history, from its partition directories (no Spark job)."""
+    from urllib.parse import unquote
+
+    files = spark.read.parquet(str(Path(root).resolve() / "loads")).inputFiles()
+    return {
+        unquote(part.removeprefix("topic="))
+        for f in files
+        for part in f.split("/")
+        if part.startswith("topic=")
+    }
 
 
 def run_spark(
@@ -249,22 +430,36 @@ def run_spark(
     spark: SparkSession | None = None,
     master: str = "local[*]",
     progress: Progress | None = None,
+    histories: Sequence[str] = (),
+    max_hours: float | None = None,
 ) -> pd.DataFrame:
     """Every trace x variant as ``groupBy(trace, variant).applyInPandas`` on Spark.
 
     Uses ``spark`` if given (and leaves it running), else starts a session on
-    ``master`` and stops it afterwards. Each (trace, variant) group gets its own
-    shuffle partition where hashing allows, so groups run in parallel.
+    ``master`` and stops it afterwards. ``histories`` are recorder output
+    directories the executors read themselves. Each (trace, variant) group gets
+    its own shuffle partition where hashing allows, so groups run in parallel.
     """
     session = spark if spark is not None else spark_session(master)
     try:
+        ship_code(session)
         session.conf.set("spark.sql.execution.arrow.pyspark.enabled", "true")
         runner = GroupRunner({v.name: v.strategy for v in variants}, options)
-        rows = session.createDataFrame(
-            pd.concat([trace_frame(t) for t in traces], ignore_index=True), schema=TRACE_DDL
-        )
+        parts = []
+        if traces:
+            parts.append(
+                session.createDataFrame(
+                    pd.concat([trace_frame(t) for t in traces], ignore_index=True),
+                    schema=TRACE_DDL,
+                )
+            )
+        parts.extend(history_rows(session, h, max_hours) for h in histories)
+        rows = parts[0]
+        for part in parts[1:]:
+            rows = rows.unionByName(part)
         names = session.createDataFrame(pd.DataFrame({"variant": [v.name for v in variants]}))
-        groups = len(traces) * len(variants)
+        count = len(traces) + sum(len(history_topics(session, h)) for h in histories)
+        groups = max(1, count * len(variants))
         # An explicit partition count is never coalesced by adaptive execution, and the
         # groupBy reuses this partitioning instead of shuffling again.
         grouped = (
@@ -334,7 +529,19 @@ def run(
     master: str = "local[*]",
     spark: SparkSession | None = None,
     progress: Progress | None = None,
+    histories: Sequence[str] = (),
+    max_hours: float | None = None,
 ) -> pd.DataFrame:
+    """Run on ``engine``; ``histories`` (recorded, read by Spark's executors) are Spark only."""
     if engine == "local":
         return run_local(traces, variants, options, workers=workers, progress=progress)
-    return run_spark(traces, variants, options, spark=spark, master=master, progress=progress)
+    return run_spark(
+        traces,
+        variants,
+        options,
+        spark=spark,
+        master=master,
+        progress=progress,
+        histories=histories,
+        max_hours=max_hours,
+    )

@@ -49,6 +49,8 @@ SCHEMAS: Final[Mapping[str, pa.Schema]] = {
             ("byte_rate_out", pa.float64()),
             ("changed_at_ms", pa.int64()),
             ("sampled_at_ms", pa.int64()),
+            # The reporter's hashBuckets histogram over the range (null: none published).
+            ("hash_buckets", pa.list_(pa.float64())),
         ]
     ),
     LAYOUTS: pa.schema(

@@ -13,6 +13,12 @@ Both are sampled with a zero-order hold: a value holds from its timestamp until
 the next one. NAB's values are counts per 5 or 30 minutes, i.e. the mean rate
 over that bucket; interpolating between buckets would invent ramps and shave
 the very peaks the backtest is about.
+
+A source lists the times its load changes (:meth:`LoadSource.change_times`),
+so the simulator can jump from one change to the next instead of visiting
+every evaluation step; :meth:`LoadSource.snapshots` gives the step-by-step view.
+A snapshot also answers the reporters' histogram (``hashBuckets``): the load of
+each of n equal slices of a range.
 """
 
 from __future__ import annotations
@@ -45,10 +51,14 @@ class Trace:
     start: Sequence[int]
     end: Sequence[int]
     rates: Sequence[RateTuple]
+    #: history only: the recorded ``hashBuckets`` of each row (None: uniform over the range).
+    buckets: Sequence[tuple[float, ...] | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.t_ms)
         if not (len(self.start) == len(self.end) == len(self.rates) == n):
+            raise ValueError(f"trace {self.name}: columns differ in length")
+        if self.buckets is not None and len(self.buckets) != n:
             raise ValueError(f"trace {self.name}: columns differ in length")
         if n == 0:
             raise ValueError(f"trace {self.name}: no rows")
@@ -58,35 +68,62 @@ class Trace:
 
 @dataclass(frozen=True, slots=True)
 class Skew:
-    """How a series spreads over the hash space: ``uniform`` or ``zipf:S[:KEYS]``.
+    """How a series spreads over the hash space.
 
-    Zipf: ``keys`` keys with weights ``1/rank**exponent``, each at a random hash
-    value (seeded), so the hottest key carries ``1/H(keys, S)`` of the load and
-    no split can divide it (DESIGN §8.7).
+    * ``uniform``: every hash value carries the same load;
+    * ``zipf:S[:KEYS]``: ``keys`` keys (default 1000) with weights ``1/rank**S``,
+      each at a random hash value (seeded), so the hottest key carries
+      ``1/H(keys, S)`` of the load and no split can divide it (DESIGN §8.7);
+    * ``hotkey:SHARE``: one key at a random hash carries SHARE of the load, the
+      rest is uniform;
+    * ``hotspot:SHARE[:HOURS[:WIDTH]]``: a range WIDTH hashes wide (default 1024)
+      carries SHARE of the load and moves to a new random place every HOURS
+      (default 6), the rest is uniform: yesterday's good boundaries go stale.
     """
 
-    kind: Literal["uniform", "zipf"] = "uniform"
+    kind: Literal["uniform", "zipf", "hotkey", "hotspot"] = "uniform"
     exponent: float = 0.0
     keys: int = 1000
+    share: float = 0.0
+    hours: float = 6.0
+    width: int = 1024
 
     @classmethod
     def parse(cls, text: str) -> Skew:
         parts = text.strip().lower().split(":")
-        if parts == ["uniform"]:
-            return cls()
-        if parts[0] == "zipf" and len(parts) in (2, 3):
-            try:
+        try:
+            if parts == ["uniform"]:
+                return cls()
+            if parts[0] == "zipf" and len(parts) in (2, 3):
                 exponent = float(parts[1])
                 keys = int(parts[2]) if len(parts) == 3 else 1000
-            except ValueError:
-                pass
-            else:
                 if exponent >= 0 and keys >= 1:
                     return cls("zipf", exponent, keys)
-        raise ValueError(f"skew {text!r}: expected 'uniform' or 'zipf:S[:KEYS]' (S >= 0)")
+            if parts[0] == "hotkey" and len(parts) == 2:
+                share = float(parts[1])
+                if 0 < share <= 1:
+                    return cls("hotkey", share=share)
+            if parts[0] == "hotspot" and 2 <= len(parts) <= 4:
+                share = float(parts[1])
+                hours = float(parts[2]) if len(parts) > 2 else 6.0
+                width = int(parts[3]) if len(parts) > 3 else 1024
+                if 0 < share <= 1 and hours > 0 and 1 <= width <= HASH_SPACE:
+                    return cls("hotspot", share=share, hours=hours, width=width)
+        except ValueError:
+            pass
+        raise ValueError(
+            f"skew {text!r}: expected 'uniform', 'zipf:S[:KEYS]' (S >= 0), "
+            "'hotkey:SHARE' or 'hotspot:SHARE[:HOURS[:WIDTH]]' (0 < SHARE <= 1)"
+        )
 
     def __str__(self) -> str:
-        return "uniform" if self.kind == "uniform" else f"zipf:{self.exponent:g}:{self.keys}"
+        if self.kind == "zipf":
+            return f"zipf:{self.exponent:g}:{self.keys}"
+        if self.kind == "hotkey":
+            return f"hotkey:{self.share:g}"
+        if self.kind == "hotspot":
+            return f"hotspot:{self.share:g}:{self.hours:g}:{self.width}"
+        return "uniform"
 
 
 class Spread(Protocol):
@@ -120,15 +157,57 @@ class KeySpread:
         return self._cdf[end + 1] - self._cdf[start]
 
 
+class SpotSpread:
+    """Uniform, plus ``hot`` of the load spread evenly over ``[lo, lo + width - 1]``; O(1)."""
+
+    def __init__(self, hot: float, lo: int, width: int) -> None:
+        self._hot, self._lo, self._width = hot, lo, width
+        self._hi = lo + width - 1
+
+    def share(self, start: int, end: int) -> float:
+        overlap = min(end, self._hi) - max(start, self._lo) + 1
+        base = (1.0 - self._hot) * (end - start + 1) / HASH_SPACE
+        return base + (self._hot * overlap / self._width if overlap > 0 else 0.0)
+
+
 def spread_for(skew: Skew, seed: int, trace_name: str) -> Spread:
-    """The spread for one trace; the same (skew, seed, name) always gives the same keys."""
+    """The spread for one trace; the same (skew, seed, name) always gives the same keys.
+
+    For ``hotspot`` this is where the spot starts; :func:`spreads_over_time` moves it.
+    """
     if skew.kind == "uniform":
         return UniformSpread()
     rng = random.Random(f"{seed}:{trace_name}")  # str seeds are stable across runs
+    if skew.kind == "hotspot":
+        return SpotSpread(skew.share, rng.randrange(HASH_SPACE - skew.width + 1), skew.width)
     weights = [0.0] * HASH_SPACE
+    if skew.kind == "hotkey":
+        weights = [(1.0 - skew.share) / HASH_SPACE] * HASH_SPACE
+        weights[rng.randrange(HASH_SPACE)] += skew.share
+        return KeySpread(weights)
     for rank in range(1, skew.keys + 1):
         weights[rng.randrange(HASH_SPACE)] += 1.0 / rank**skew.exponent
     return KeySpread(weights)
+
+
+def spreads_over_time(
+    skew: Skew, seed: int, trace_name: str, start_ms: int, last_ms: int
+) -> tuple[list[int], list[Spread]]:
+    """(times, spreads): spread i holds from times[i]; one entry unless the spot moves."""
+    first = spread_for(skew, seed, trace_name)
+    if skew.kind != "hotspot":
+        return [start_ms], [first]
+    rng = random.Random(f"{seed}:{trace_name}:moves")
+    period = max(1, round(skew.hours * 3_600_000))
+    times, spreads = [start_ms], [first]
+    t = start_ms + period
+    while t <= last_ms:
+        times.append(t)
+        spreads.append(
+            SpotSpread(skew.share, rng.randrange(HASH_SPACE - skew.width + 1), skew.width)
+        )
+        t += period
+    return times, spreads
 
 
 class Snapshot(Protocol):
@@ -142,10 +221,34 @@ class Snapshot(Protocol):
         """The four rates of the whole topic."""
         ...
 
+    def buckets(self, start: int, end: int, n: int) -> tuple[float, ...]:
+        """msgRateIn of each of the n slices of ``[start, end]`` (the ``hashBuckets`` format)."""
+        ...
+
+
+def slice_bounds(start: int, end: int, n: int) -> list[tuple[int, int]]:
+    """The n slices of ``[start, end]`` as the ``hashBuckets`` wire format cuts them
+    (slice i: ``[start + (i*W)//n, start + ((i+1)*W)//n - 1]``; empty when W < n)."""
+    width = end - start + 1
+    return [(start + (i * width) // n, start + ((i + 1) * width) // n - 1) for i in range(n)]
+
 
 class LoadSource(Protocol):
     @property
     def start_ms(self) -> int: ...
+
+    @property
+    def last_ms(self) -> int:
+        """The last row's time: replay ends at the last step at or before it."""
+        ...
+
+    def change_times(self) -> Sequence[int]:
+        """Ascending times at which the load changes; the first is ``start_ms``."""
+        ...
+
+    def snapshot(self, index: int) -> Snapshot:
+        """The load from ``change_times()[index]`` on. Calls must not go backwards."""
+        ...
 
     def snapshots(self, step_ms: int) -> Iterator[tuple[int, Snapshot]]:
         """``(t, load)`` at ``start_ms, start_ms + step_ms, ...`` up to the last row's time.
@@ -154,6 +257,21 @@ class LoadSource(Protocol):
         (the same object), so callers may compare by identity.
         """
         ...
+
+
+def _steps(source: LoadSource, step_ms: int) -> Iterator[tuple[int, Snapshot]]:
+    times, last = source.change_times(), source.last_ms
+    index, t = 0, source.start_ms
+    snap = source.snapshot(0)
+    while t <= last:
+        moved = index
+        while moved + 1 < len(times) and times[moved + 1] <= t:
+            moved += 1
+        if moved != index:
+            index = moved
+            snap = source.snapshot(index)
+        yield t, snap
+        t += step_ms
 
 
 @dataclass(slots=True)
@@ -174,30 +292,66 @@ class _SeriesSnapshot:
     def total(self) -> Rates:
         return Rates(*self.totals)
 
+    def buckets(self, start: int, end: int, n: int) -> tuple[float, ...]:
+        msgs, share = self.totals[0], self.spread.share
+        return tuple(msgs * share(a, b) if b >= a else 0.0 for a, b in slice_bounds(start, end, n))
+
 
 class SeriesLoad:
-    """A topic total over time, spread over the hash space by a fixed :class:`Spread`."""
+    """A topic total over time, spread over the hash space by a :class:`Spread` (which may
+    move at given times)."""
 
-    def __init__(self, t_ms: Sequence[int], totals: Sequence[RateTuple], spread: Spread) -> None:
+    def __init__(
+        self,
+        t_ms: Sequence[int],
+        totals: Sequence[RateTuple],
+        spread: Spread,
+        moves: tuple[Sequence[int], Sequence[Spread]] | None = None,
+    ) -> None:
         self._t = t_ms
         self._totals = totals
-        self._spread = spread
+        spread_times, spreads = moves if moves is not None else ([t_ms[0]], [spread])
+        # One change per row time and per move at which the (totals, spread) differ from
+        # before: a row repeating the previous values changes nothing.
+        self._times: list[int] = []
+        self._rows: list[int] = []
+        self._spreads: list[Spread] = []
+        row = move = 0  # the last row and move at or before t (both lists are sorted)
+        n_rows, n_moves = len(t_ms), len(spread_times)
+        for t in sorted({*t_ms, *spread_times}):
+            if not t_ms[0] <= t <= t_ms[-1]:
+                continue
+            while row + 1 < n_rows and t_ms[row + 1] <= t:
+                row += 1
+            while move + 1 < n_moves and spread_times[move + 1] <= t:
+                move += 1
+            spread_now = spreads[move]
+            if (
+                self._rows
+                and totals[row] == totals[self._rows[-1]]
+                and (spread_now is self._spreads[-1])
+            ):
+                continue
+            self._times.append(t)
+            self._rows.append(row)
+            self._spreads.append(spread_now)
 
     @property
     def start_ms(self) -> int:
         return self._t[0]
 
+    @property
+    def last_ms(self) -> int:
+        return self._t[-1]
+
+    def change_times(self) -> Sequence[int]:
+        return self._times
+
+    def snapshot(self, index: int) -> Snapshot:
+        return _SeriesSnapshot(self._totals[self._rows[index]], self._spreads[index])
+
     def snapshots(self, step_ms: int) -> Iterator[tuple[int, Snapshot]]:
-        times, last = self._t, self._t[-1]
-        row, t = -1, times[0]
-        snap: _SeriesSnapshot | None = None
-        while t <= last:
-            current = bisect.bisect_right(times, t, lo=max(row, 0)) - 1
-            if current != row or snap is None:
-                row = current
-                snap = _SeriesSnapshot(self._totals[row], self._spread)
-            yield t, snap
-            t += step_ms
+        return _steps(self, step_ms)
 
 
 class _Pieces:
@@ -232,6 +386,28 @@ class _Pieces:
         self.ends[i:j] = [p[1] for p in new]
         self.rates[i:j] = [p[2] for p in new]
 
+    def put_histogram(
+        self, start: int, end: int, rates: RateTuple, buckets: Sequence[float]
+    ) -> None:
+        """Set ``[start, end]`` to ``rates`` spread as the recorded histogram says."""
+        total = sum(buckets)
+        if total <= 0:
+            self.put(start, end, rates)
+            return
+        carry = 0.0
+        pending: list[tuple[int, int, float]] = []
+        for (a, b), weight in zip(slice_bounds(start, end, len(buckets)), buckets, strict=True):
+            if b < a:
+                carry += weight
+                continue
+            pending.append((a, b, weight + carry))
+            carry = 0.0
+        if carry and pending:
+            a, b, w = pending[-1]
+            pending[-1] = (a, b, w + carry)
+        for a, b, weight in pending:
+            self.put(a, b, _scaled(rates, weight / total))
+
     def query(self, start: int, end: int) -> RateTuple:
         i = bisect.bisect_left(self.ends, start)
         a = b = c = d = 0.0
@@ -262,35 +438,77 @@ class _HistorySnapshot:
     def total(self) -> Rates:
         return self.rates(0, HASH_MAX)
 
+    def buckets(self, start: int, end: int, n: int) -> tuple[float, ...]:
+        query = self.pieces.query
+        return tuple(query(a, b)[0] if b >= a else 0.0 for a, b in slice_bounds(start, end, n))
+
 
 class HistoryLoad:
     """Recorded per-range load records replayed in time order (newest covering row wins)."""
 
     def __init__(self, trace: Trace) -> None:
         self._trace = trace
+        self._times = _history_changes(trace)
+        self._pieces = _Pieces()
+        self._row = 0
+        self._index = -1
+        self._snap: _HistorySnapshot | None = None
 
     @property
     def start_ms(self) -> int:
         return self._trace.t_ms[0]
 
+    @property
+    def last_ms(self) -> int:
+        return self._trace.t_ms[-1]
+
+    def change_times(self) -> Sequence[int]:
+        return self._times
+
+    def snapshot(self, index: int) -> Snapshot:
+        if index < self._index:
+            raise ValueError("history snapshots must be read in time order")
+        if index != self._index or self._snap is None:
+            tr, t = self._trace, self._times[index]
+            while self._row < len(tr.t_ms) and tr.t_ms[self._row] <= t:
+                _put_row(self._pieces, tr, self._row)
+                self._row += 1
+            self._index = index
+            self._snap = _HistorySnapshot(self._pieces.copy())
+        return self._snap
+
     def snapshots(self, step_ms: int) -> Iterator[tuple[int, Snapshot]]:
-        tr = self._trace
-        pieces = _Pieces()
-        n, row, t, last = len(tr.t_ms), 0, tr.t_ms[0], tr.t_ms[-1]
-        snap: _HistorySnapshot | None = None
-        while t <= last:
-            changed = False
-            while row < n and tr.t_ms[row] <= t:
-                pieces.put(tr.start[row], tr.end[row], tr.rates[row])
-                row, changed = row + 1, True
-            if changed or snap is None:
-                snap = _HistorySnapshot(pieces.copy())
-            yield t, snap
-            t += step_ms
+        return _steps(HistoryLoad(self._trace), step_ms)
+
+
+def _put_row(pieces: _Pieces, trace: Trace, row: int) -> None:
+    hist = trace.buckets[row] if trace.buckets is not None else None
+    if hist:
+        pieces.put_histogram(trace.start[row], trace.end[row], trace.rates[row], hist)
+    else:
+        pieces.put(trace.start[row], trace.end[row], trace.rates[row])
+
+
+def _history_changes(trace: Trace) -> list[int]:
+    """The row times after which the load differs from before (a recorder records every
+    heartbeat, and a heartbeat re-puts what is there)."""
+    pieces = _Pieces()
+    times: list[int] = []
+    row, n = 0, len(trace.t_ms)
+    while row < n:
+        t = trace.t_ms[row]
+        before = (list(pieces.starts), list(pieces.ends), list(pieces.rates))
+        while row < n and trace.t_ms[row] == t:
+            _put_row(pieces, trace, row)
+            row += 1
+        if not times or before != (pieces.starts, pieces.ends, pieces.rates):
+            times.append(t)
+    return times
 
 
 def source_for(trace: Trace, skew: Skew, seed: int) -> LoadSource:
     """The replayable load of a trace; ``skew`` and ``seed`` apply to series only."""
     if trace.kind == "series":
-        return SeriesLoad(trace.t_ms, trace.rates, spread_for(skew, seed, trace.name))
+        moves = spreads_over_time(skew, seed, trace.name, trace.t_ms[0], trace.t_ms[-1])
+        return SeriesLoad(trace.t_ms, trace.rates, moves[1][0], moves)
     return HistoryLoad(trace)

@@ -28,11 +28,12 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from controllerd.adapters.store import Store, open_store
+from controllerd.adapters.store import Store, StoreError, open_store
 from controllerd.config import Config
 from controllerd.core.model import ModelError, layout_from_json, load_sample_from_json
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import SystemClock
+from controllerd.errors import EXIT_UNAVAILABLE, EXIT_USAGE, OperatorError
 from controllerd.pipeline.history import DECISIONS, LAYOUTS, LOADS, write_rows
 
 log = structlog.get_logger(__name__)
@@ -149,6 +150,7 @@ class Recorder:
             "byte_rate_out": r.byte_rate_out,
             "changed_at_ms": sample.changed_at_ms,
             "sampled_at_ms": sample.sampled_at_ms,
+            "hash_buckets": list(sample.hash_buckets) if sample.hash_buckets else None,
         }
 
     async def run(
@@ -256,8 +258,26 @@ async def _stop_on_signal(scope: anyio.CancelScope) -> None:
             return
 
 
-def _secret(path: str | None) -> str | None:
-    return None if path is None else Path(path).read_text(encoding="utf-8").strip()
+def _secret(path: str | None, setting: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise OperatorError(
+            f"cannot read {path}: {exc.strerror or exc}", exit_code=EXIT_USAGE, setting=setting
+        ) from None
+
+
+def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of ``kinds`` in ``exc`` or, for a group, in its members."""
+    if isinstance(exc, kinds):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _cause(inner, kinds)) is not None:
+                return found
+    return None
 
 
 async def record_from_config(
@@ -271,22 +291,28 @@ async def record_from_config(
     """Record until ``duration`` elapses or SIGINT/SIGTERM; returns rows written per table.
 
     ``task_status`` is started once etcd's snapshot is recorded (and the audit
-    consumer joined); the rows buffered so far are flushed however it ends.
+    consumer joined); ``duration`` counts from then, so a run never ends
+    "successfully" without having read etcd. etcd or Kafka that cannot be
+    reached is an :class:`OperatorError` (``EXIT_UNAVAILABLE``) naming the
+    setting. The rows buffered so far are flushed however it ends.
     """
+    from aiokafka.errors import KafkaError
+
     sink = ParquetSink(out)
     clock = SystemClock()
     recorder = Recorder(Keys(cfg.metadata_prefix, cfg.controller_root), clock.now_ms)
-    async with open_store(
-        cfg.etcd.endpoints,
-        username=cfg.etcd.username,
-        password=_secret(cfg.etcd.password_file),
-        ca_file=cfg.etcd.ca_file,
-        cert_file=cfg.etcd.cert_file,
-        key_file=cfg.etcd.key_file,
-        timeout=cfg.etcd.timeout_seconds,
-    ) as store:
-        try:
-            with anyio.move_on_after(duration if duration is not None else float("inf")):
+    password = _secret(cfg.etcd.password_file, "etcd.password_file")
+    try:
+        async with open_store(
+            cfg.etcd.endpoints,
+            username=cfg.etcd.username,
+            password=password,
+            ca_file=cfg.etcd.ca_file,
+            cert_file=cfg.etcd.cert_file,
+            key_file=cfg.etcd.key_file,
+            timeout=cfg.etcd.timeout_seconds,
+        ) as store:
+            try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_stop_on_signal, tg.cancel_scope, name="signals")
                     tg.start_soon(_flush_every, sink, flush_seconds, name="flusher")
@@ -301,8 +327,32 @@ async def record_from_config(
                         )
                     log.info("record.started", out=str(out))
                     task_status.started()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await sink.flush()
+                    if duration is not None:
+                        await anyio.sleep(duration)
+                        tg.cancel_scope.cancel()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await sink.flush()
+    except (StoreError, KafkaError, BaseExceptionGroup) as exc:
+        etcd = _cause(exc, (StoreError,))
+        if etcd is not None:
+            endpoints = ", ".join(cfg.etcd.endpoints)
+            raise OperatorError(
+                f"etcd at {endpoints} is unreachable: {_first_line(etcd)}",
+                exit_code=EXIT_UNAVAILABLE,
+                setting="etcd.endpoints",
+            ) from None
+        kafka = _cause(exc, (KafkaError,))
+        if kafka is not None:
+            raise OperatorError(
+                f"Kafka at {cfg.audit.kafka_bootstrap} is unreachable: {_first_line(kafka)}",
+                exit_code=EXIT_UNAVAILABLE,
+                setting="audit.kafka_bootstrap",
+            ) from None
+        raise
     log.info("record.stopped", rows=sink.counts, rejected=recorder.rejected)
     return sink.counts
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -1,8 +1,8 @@
 """Replay one topic's load through the daemon's own policy and measure what it did (pure).
 
-The loop runs once per evaluation interval ``dt`` (the daemon's autoscale tick;
-it also evaluates on every load-record write, which at one report per interval
-is the same instant). At step ``t``:
+The replay evaluates at every step ``t`` of a grid of ``dt`` (the daemon's
+autoscale tick; it also evaluates on every load-record write, which at one
+report per interval is the same instant). At step ``t``:
 
 1. **Measure** the interval that just ended, ``(t - dt, t]``, served by the
    current layout: reporters' rates are trailing means, so the load reported at
@@ -10,12 +10,15 @@ is the same instant). At step ``t``:
    Every overload therefore costs at least one interval, for every policy.
 2. **Report**: each active segment's reporter applies
    :func:`controllerd.core.loadreport.should_write` (materiality gate, threshold
-   crossing, heartbeat) to decide whether etcd's record changes. The policy
-   sees only records, never the true load: that is how a 25% gate hides a
+   crossing, heartbeat) to decide whether etcd's record changes, with the
+   segment's ``hashBuckets`` histogram when the strategy publishes one. The
+   policy sees only records, never the true load: that is how a 25% gate hides a
    segment running above its split threshold (DESIGN §8.2).
-3. **Track cold-since** exactly like the controller (DESIGN §8.1), when the
+3. **Track** cold-since exactly like the controller (DESIGN §8.1), when the
    strategy does: on the record being below every merge threshold, remember
-   ``min(changedAtMs, now)``; forget it when the record is not.
+   ``min(changedAtMs, now)``; forget it when the record is not. Peaks and
+   flip-flops go to a :class:`controllerd.core.policy.TopicHistory`, as the
+   daemon keeps them.
 4. **Decide** with :func:`controllerd.core.policy.decide` and **apply** with
    :func:`controllerd.core.layout.apply`; a split or merge happens at ``t`` and its
    new segments report from ``t + dt`` on. The new layout is decided on again
@@ -24,6 +27,21 @@ is the same instant). At step ``t``:
 5. **GC** sealed segments past retention (backlog assumed drained), oldest first,
    as the daemon does; that bounds the merge depth ``decide`` sees.
 
+**Event-driven replay.** Most steps change nothing: the load holds between a
+trace's rows (5 or 30 minutes against a 60 s step), no record is written, and
+no cooldown or window runs out. Such a step measures exactly what the step
+before it measured, and ``decide`` would answer what it answered. So the
+replay visits only the steps where something can happen: a change of the load
+(:meth:`LoadSource.change_times`), the step after an operation, a heartbeat
+that could let a record go stale, a cooldown, window, staleness or backoff
+running out (:func:`controllerd.core.policy.next_decision_ms`), a peak leaving
+its window, a GC due; and within a visited step it calls ``decide`` only when
+its inputs changed or one of those times passed. Heartbeats that cannot matter
+(the record cannot go stale between two of them) are counted, not replayed.
+The steps in between are added as runs of identical measurements. Both modes
+accumulate the same runs in the same order, so ``step_by_step=True`` (every
+step, ``decide`` every time) gives bit-identical metrics; the tests check it.
+
 Load is measured against fixed ``reference`` thresholds (the capacity the
 trace was scaled to), never the variant's own, so a variant that splits
 earlier is credited for it and one that raises its thresholds is charged.
@@ -31,6 +49,7 @@ earlier is credited for it and one that raises its thresholds is charged.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -39,9 +58,25 @@ from typing import Final
 
 from controllerd.config import LoadReportSettings
 from controllerd.core.layout import apply, check, initial_layout, prune
-from controllerd.core.loadreport import ReportRule, WriteReason, should_write
-from controllerd.core.model import Layout, LoadSample, Merge, PolicySettings, Rates, Split
-from controllerd.core.policy import below, decide, inherited_cold_since, is_stale
+from controllerd.core.loadreport import ReportRule, WriteReason
+from controllerd.core.model import (
+    MAX_HASH_BUCKETS,
+    Layout,
+    LoadSample,
+    Merge,
+    PolicySettings,
+    Rates,
+    Split,
+)
+from controllerd.core.policy import (
+    TopicHistory,
+    below,
+    decide,
+    inherited_cold_since,
+    is_stale,
+    may_act,
+    next_decision_ms,
+)
 from controllerd.pipeline.load import LoadSource
 
 FLIPFLOP_WINDOW_MS: Final = 30 * 60 * 1000
@@ -66,6 +101,8 @@ class Strategy:
     initial_segments: int = 1
     #: ``[gc].default_retention_seconds``; negative keeps sealed segments forever.
     gc_retention_seconds: float = 86_400.0
+    #: slices of the ``hashBuckets`` histogram reporters publish; 0 = none (Pulsar).
+    hash_buckets: int = 0
 
     def errors(self) -> list[str]:
         errs = self.policy.errors("policy") + self.report.errors("load_report")
@@ -73,6 +110,8 @@ class Strategy:
             errs.append(f"interval_seconds: must be > 0 (got {self.interval_seconds!r})")
         if not 1 <= self.initial_segments <= 65536:
             errs.append(f"initial_segments: must be 1..65536 (got {self.initial_segments!r})")
+        if not 0 <= self.hash_buckets <= MAX_HASH_BUCKETS:
+            errs.append(f"hash_buckets: must be 0..{MAX_HASH_BUCKETS} (got {self.hash_buckets!r})")
         return errs
 
 
@@ -112,12 +151,14 @@ METRIC_COLUMNS: Final = tuple(Metrics.__dataclass_fields__)
 class Timeline:
     """Per-step series for plots: times, topic load and hottest segment (both in units of
     the reference threshold), and active segments. Downsampled series keep each
-    bucket's maximum, so no spike disappears from a plot."""
+    bucket's maximum, so no spike disappears from a plot, and the mean segment count
+    (what the bucket cost)."""
 
     t_ms: Sequence[int]
     load: Sequence[float]
     hottest: Sequence[float]
     segments: Sequence[int]
+    segments_mean: Sequence[float] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +183,8 @@ class SimResult:
     #: full resolution around the topic's peak load.
     zoom: Timeline
     final_layout: Layout
+    #: steps the replay visited (the rest were added as runs).
+    visited_steps: int = 0
 
 
 @dataclass(slots=True)
@@ -154,6 +197,8 @@ class _Reporter:
     record: LoadSample | None = None
     last_seen: Rates | None = None
     quiet: bool = False
+    #: whether the record was stale when cold-since was last tracked (None: never).
+    stale: bool | None = None
 
 
 @dataclass(slots=True)
@@ -176,6 +221,85 @@ class _Ops:
         return flipflop
 
 
+class Gate:
+    """The content half of :func:`controllerd.core.loadreport.should_write`, unrolled.
+
+    ``quiet(old, new)`` is True exactly when ``should_write`` would give no
+    reason but a heartbeat (tested against it): the replay asks it first, on
+    every segment of every visited step, and calls ``should_write`` only when a
+    record is written.
+    """
+
+    def __init__(self, rule: ReportRule) -> None:
+        self.rule = rule
+        self.limit = rule.rate_change_threshold
+        self.crossing = rule.threshold_crossing
+        self.split = rule.split_thresholds.as_tuple()
+        self.merge = rule.merge_thresholds.as_tuple()
+
+    def quiet(self, old: Rates, new: Rates) -> bool:
+        # Unrolled: this runs for every active segment at every visited step.
+        lim, crossing = self.limit, self.crossing
+        s0, s1, s2, s3 = self.split
+        m0, m1, m2, m3 = self.merge
+        o, c = old.msg_rate_in, new.msg_rate_in
+        if o != c and (
+            o == 0.0
+            or c == 0.0
+            or abs(c - o) > lim * abs(o)
+            or (crossing and ((o > s0) != (c > s0) or (o < m0) != (c < m0)))
+        ):
+            return False
+        o, c = old.byte_rate_in, new.byte_rate_in
+        if o != c and (
+            o == 0.0
+            or c == 0.0
+            or abs(c - o) > lim * abs(o)
+            or (crossing and ((o > s1) != (c > s1) or (o < m1) != (c < m1)))
+        ):
+            return False
+        o, c = old.msg_rate_out, new.msg_rate_out
+        if o != c and (
+            o == 0.0
+            or c == 0.0
+            or abs(c - o) > lim * abs(o)
+            or (crossing and ((o > s2) != (c > s2) or (o < m2) != (c < m2)))
+        ):
+            return False
+        o, c = old.byte_rate_out, new.byte_rate_out
+        return not (
+            o != c
+            and (
+                o == 0.0
+                or c == 0.0
+                or abs(c - o) > lim * abs(o)
+                or (crossing and ((o > s3) != (c > s3) or (o < m3) != (c < m3)))
+            )
+        )
+
+
+Measure = tuple[int, int, float, float, float, float]
+"""One step's measurement: (active segments, segments above, excess, excess msg/s,
+hottest segment, topic load), the last three in units of the reference threshold."""
+
+
+@dataclass(slots=True)
+class _Runs:
+    """Measurements as runs of identical consecutive steps: (first t, steps, measure)."""
+
+    t: list[int] = field(default_factory=list)
+    count: list[int] = field(default_factory=list)
+    measures: list[Measure] = field(default_factory=list)
+
+    def add(self, t: int, steps: int, measure: Measure) -> None:
+        if self.measures and self.measures[-1] == measure:
+            self.count[-1] += steps
+        else:
+            self.t.append(t)
+            self.count.append(steps)
+            self.measures.append(measure)
+
+
 def simulate(
     source: LoadSource,
     strategy: Strategy,
@@ -184,13 +308,16 @@ def simulate(
     check_layout: bool = False,
     timeline_points: int = 2000,
     zoom_seconds: float = 6 * 3600.0,
+    step_by_step: bool = False,
 ) -> SimResult:
-    """Replay ``source`` under ``strategy``; see the module docstring for the step.
+    """Replay ``source`` under ``strategy``; see the module docstring.
 
     Args:
         reference: the split thresholds that stand for segment capacity in the metrics.
         check_layout: verify the layout invariants after every change (tests);
             raises :class:`controllerd.core.layout.LayoutError` on a violation.
+        step_by_step: visit every step and decide at each (the reference the
+            event-driven replay is tested against; much slower).
     """
     policy, report = strategy.policy, strategy.report
     rule = ReportRule(
@@ -206,221 +333,495 @@ def simulate(
     retention_ms = strategy.gc_retention_seconds * 1000.0
     track_cold = strategy.track_cold_since
     merge_limits = policy.merge_thresholds
+    n_buckets = strategy.hash_buckets
+    # A heartbeat first comes at the first step >= max_interval after the write.
+    heartbeat_ms = 0
+    if report.report_max_interval_seconds > 0:
+        heartbeat_ms = math.ceil(report.report_max_interval_seconds * 1000.0 / step_ms) * step_ms
+    ttl_ms = policy.load_ttl_seconds * 1000.0
+    # Heartbeats only matter to decide through staleness; if a record cannot go stale
+    # between two of them, the replay counts them instead of visiting them.
+    lazy_heartbeats = heartbeat_ms > 0 and (ttl_ms <= 0 or heartbeat_ms - step_ms <= ttl_ms)
+    hb_ms = report.report_max_interval_seconds * 1000.0
+    gate = Gate(rule)
+    use_history = policy.enabled and (
+        policy.peak_window_seconds > 0 or policy.merge_backoff_factor > 1.0
+    )
 
     layout = initial_layout(strategy.initial_segments, now_ms=source.start_ms)
     reporters: dict[int, _Reporter] = {}
     cold_since: dict[int, int] = {}
     sealed_cold: dict[int, int] = {}  # cold-since of sealed segments, for their children
     view: dict[int, LoadSample] = {}
+    history = TopicHistory()
     sealed: deque[tuple[int, int]] = deque()
     ops = _Ops()
     log: list[Operation] = []
     last_split: int | None = None
     last_merge: int | None = None
-
-    steps = segment_steps = above_steps = topic_above_steps = 0
-    run = longest_run = 0
-    excess = excess_msgs = late_excess = 0.0
-    splits = merges = children = writes = 0
+    runs = _Runs()
+    splits = merges = children = writes = visited = 0
     peak = len(layout.active_segments())
-    tl_t: list[int] = []
-    tl_load: list[float] = []
-    tl_hot: list[float] = []
-    tl_n: list[int] = []
 
-    for now, snap in source.snapshots(step_ms):
+    times = source.change_times()
+    change = 0
+    snap = source.snapshot(0)
+    last = source.last_ms
+    t = source.start_ms
+    topic_of: tuple[object, float] = (None, 0.0)  # the last snapshot and its topic load
+    dirty = True  # decide's inputs changed since its last NoAction
+    wake: int | None = None  # next_decision_ms after that NoAction
+
+    while t <= last:
+        visited += 1
+        if change + 1 < len(times) and times[change + 1] <= t:
+            change = bisect.bisect_right(times, t, lo=change) - 1
+            snap = source.snapshot(change)
         active = layout.active_segments()
         n = len(active)
-        steps += 1
-        segment_steps += n
 
-        # 1. measure the interval that just ended, on the layout that served it
-        hottest = step_excess = 0.0
-        for seg in active:
-            r = snap.rates(seg.hash_range.start, seg.hash_range.end)
-            score = max(
-                r.msg_rate_in / r0, r.byte_rate_in / r1, r.msg_rate_out / r2, r.byte_rate_out / r3
-            )
-            if score > 1.0:
-                above_steps += 1
-                step_excess += score - 1.0
-                if r.msg_rate_in > r0:
-                    excess_msgs += r.msg_rate_in - r0
-            hottest = max(hottest, score)
-        excess += step_excess
-        if hottest > 1.0:
-            topic_above_steps += 1
-            if run > 0:
-                late_excess += step_excess
-            run += 1
-            longest_run = max(longest_run, run)
-        else:
-            run = 0
-        total = snap.total()
-        tl_t.append(now)
-        tl_load.append(
-            max(
-                total.msg_rate_in / r0,
-                total.byte_rate_in / r1,
-                total.msg_rate_out / r2,
-                total.byte_rate_out / r3,
-            )
-        )
-        tl_hot.append(hottest)
-        tl_n.append(n)
-
+        # 1. measure the interval that just ended, on the layout that served it;
         # 2. reporters write material changes; 3. the controller tracks cold-since
+        hottest = step_excess = step_msgs = 0.0
+        above = 0
         for seg in active:
             sid = seg.segment_id
+            rng = seg.hash_range
+            current = snap.rates(rng.start, rng.end)
+            score = current.msg_rate_in / r0
+            if (x := current.byte_rate_in / r1) > score:
+                score = x
+            if (x := current.msg_rate_out / r2) > score:
+                score = x
+            if (x := current.byte_rate_out / r3) > score:
+                score = x
+            if score > 1.0:
+                above += 1
+                step_excess += score - 1.0
+                if current.msg_rate_in > r0:
+                    step_msgs += current.msg_rate_in - r0
+            if score > hottest:  # noqa: PLR1730 - not max(): this runs per segment per step
+                hottest = score
+
             rep = reporters.get(sid)
             if rep is None:
                 rep = reporters[sid] = _Reporter()
-            current = snap.rates(seg.hash_range.start, seg.hash_range.end)
-            if rep.quiet and rep.written is not None and current == rep.last_seen:
-                # Same inputs as last time, which wrote nothing: only a heartbeat can be due.
-                reason = should_write(rule, rep.written, rep.written, now, rep.written_at)
+            elif lazy_heartbeats and not step_by_step and rep.written_at is not None:
+                # the heartbeats of the steps skipped since this reporter's last visit
+                due = (t - 1 - rep.written_at) // heartbeat_ms
+                if due > 0 and rep.record is not None:
+                    rep.written_at += due * heartbeat_ms
+                    writes += due
+                    rep.record = LoadSample(
+                        rep.record.rates,
+                        rep.changed_at,
+                        rep.written_at,
+                        hash_buckets=rep.record.hash_buckets,
+                    )
+                    cs = cold_since.get(sid)
+                    view[sid] = (
+                        rep.record
+                        if cs is None
+                        else LoadSample(
+                            rep.record.rates,
+                            rep.changed_at,
+                            rep.written_at,
+                            cs,
+                            hash_buckets=rep.record.hash_buckets,
+                        )
+                    )
+            written = rep.written
+            reason: WriteReason | None
+            if written is not None and gate.quiet(written, current):
+                # no change worth a write (the common case): only a heartbeat can be due
+                reason = (
+                    WriteReason.HEARTBEAT
+                    if heartbeat_ms and rep.written_at is not None and t - rep.written_at >= hb_ms
+                    else None
+                )
+            elif written is None:
+                reason = WriteReason.FIRST
             else:
-                reason = should_write(rule, rep.written, current, now, rep.written_at)
-            rep.last_seen, rep.quiet = current, reason is None
+                # Not quiet: should_write gives a reason other than a heartbeat (tested
+                # against it); which one does not matter here.
+                reason = WriteReason.MATERIAL_CHANGE
             touched = False
             if reason is WriteReason.HEARTBEAT and rep.record is not None:
-                rep.written_at = now
-                rep.record = LoadSample(rep.record.rates, rep.changed_at, now)
+                rep.written_at = t
+                rep.record = LoadSample(
+                    rep.record.rates, rep.changed_at, t, hash_buckets=rep.record.hash_buckets
+                )
                 touched = True
             elif reason is not None:
-                rep.written, rep.written_at, rep.changed_at = current, now, now
-                rep.record = LoadSample(current, now, now)
+                rep.written, rep.written_at, rep.changed_at = current, t, t
+                buckets = snap.buckets(rng.start, rng.end, n_buckets) if n_buckets else None
+                rep.record = LoadSample(current, t, t, hash_buckets=buckets)
+                if use_history:
+                    history.observe(sid, current, t, policy)
                 touched = True
             if touched:
                 writes += 1
             record = rep.record
             if record is None:
                 continue
-            if track_cold and not is_stale(record, policy, now):
-                cold = below(record.rates, merge_limits)
-                if cold and sid not in cold_since:
-                    inherited = inherited_cold_since(layout, sid, sealed_cold)
-                    cold_since[sid] = (
-                        inherited if inherited is not None else min(record.changed_at_ms, now)
-                    )
-                    touched = True
-                elif not cold and sid in cold_since:
-                    del cold_since[sid]
-                    touched = True
+            if track_cold:
+                # The outcome only changes with the record or its staleness: the
+                # event-driven replay skips the rest (the step-by-step one never does).
+                stale = is_stale(record, policy, t)
+                if step_by_step or touched or stale is not rep.stale:
+                    rep.stale = stale
+                    cold = not stale and below(record.rates, merge_limits)
+                    if cold and sid not in cold_since:
+                        inherited = inherited_cold_since(layout, sid, sealed_cold)
+                        cold_since[sid] = (
+                            inherited if inherited is not None else min(record.changed_at_ms, t)
+                        )
+                        touched = True
+                    elif not stale and not cold and sid in cold_since:
+                        del cold_since[sid]
+                        touched = True
             if touched:
+                dirty = True
+                cs = cold_since.get(sid)
                 view[sid] = (
-                    LoadSample(record.rates, record.changed_at_ms, record.sampled_at_ms, cs)
-                    if (cs := cold_since.get(sid)) is not None
-                    else record
+                    record
+                    if cs is None
+                    else LoadSample(
+                        record.rates,
+                        record.changed_at_ms,
+                        record.sampled_at_ms,
+                        cs,
+                        hash_buckets=record.hash_buckets,
+                    )
                 )
+        if snap is not topic_of[0]:
+            total = snap.total()
+            topic_of = (
+                snap,
+                max(
+                    total.msg_rate_in / r0,
+                    total.byte_rate_in / r1,
+                    total.msg_rate_out / r2,
+                    total.byte_rate_out / r3,
+                ),
+            )
+        measure: Measure = (n, above, step_excess, step_msgs, hottest, topic_of[1])
 
         # 4. decide and apply; the new layout triggers another evaluation at once,
         # as its watch event does in the daemon (so a cooldown of 0 allows a second op)
-        for _ in range(MAX_OPS_PER_STEP):
-            decision = decide(layout, view, {}, policy, now, last_split, last_merge)
-            if not isinstance(decision, Split | Merge):
-                break
-            if isinstance(decision, Split):
-                gone: tuple[int, ...] = (decision.segment_id,)
-                rng = layout.segments[decision.segment_id].hash_range
-                start, end = rng.start, rng.end
-                splits += 1
-                children += len(decision.boundaries) + 1
-                last_split = now
-            else:
-                gone = (decision.a, decision.b)
-                start = layout.segments[decision.a].hash_range.start
-                end = layout.segments[decision.b].hash_range.end
-                merges += 1
-                children += 1
-                last_merge = now
-            flipflop = ops.add(now, decision.action, start, end)
-            layout = apply(layout, decision, now_ms=now)
-            log.append(
-                Operation(
-                    now,
-                    decision.action,
-                    start,
-                    end,
-                    decision.reason,
-                    len(layout.active_segments()),
-                    flipflop,
+        operated = False
+        if not step_by_step and dirty and not may_act(layout, view, {}, policy):
+            dirty, wake = False, None  # nothing can happen until a record changes
+        if step_by_step or dirty or (wake is not None and t >= wake):
+            for _ in range(MAX_OPS_PER_STEP):
+                seen = (
+                    {sid: history.annotate(sid, s, t, policy) for sid, s in view.items()}
+                    if use_history
+                    else view
                 )
-            )
-            for sid in gone:
-                reporters.pop(sid, None)
-                if (was := cold_since.pop(sid, None)) is not None:
-                    sealed_cold[sid] = was  # a merge child may take it over
-                view.pop(sid, None)
-                sealed.append((now, sid))
-            peak = max(peak, log[-1].segments_after)
-            if check_layout:
-                check(layout)
+                decision = decide(layout, seen, {}, policy, t, last_split, last_merge)
+                if not isinstance(decision, Split | Merge):
+                    dirty = False
+                    if not step_by_step:
+                        wake = _wake(layout, seen, policy, t, last_split, last_merge, history)
+                    break
+                operated = True
+                if isinstance(decision, Split):
+                    gone: tuple[int, ...] = (decision.segment_id,)
+                    rng = layout.segments[decision.segment_id].hash_range
+                    start, end = rng.start, rng.end
+                    splits += 1
+                    children += len(decision.boundaries) + 1
+                    last_split = t
+                else:
+                    gone = (decision.a, decision.b)
+                    start = layout.segments[decision.a].hash_range.start
+                    end = layout.segments[decision.b].hash_range.end
+                    merges += 1
+                    children += 1
+                    last_merge = t
+                flipflop = ops.add(t, decision.action, start, end)
+                before = layout
+                layout = apply(layout, decision, now_ms=t)
+                if use_history:
+                    history.applied(before, decision, layout, t, policy, view)
+                    history.forget(s.segment_id for s in layout.active_segments())
+                log.append(
+                    Operation(
+                        t,
+                        decision.action,
+                        start,
+                        end,
+                        decision.reason,
+                        len(layout.active_segments()),
+                        flipflop,
+                    )
+                )
+                for sid in gone:
+                    reporters.pop(sid, None)
+                    if (was := cold_since.pop(sid, None)) is not None:
+                        sealed_cold[sid] = was  # a merge child may take it over
+                    view.pop(sid, None)
+                    sealed.append((t, sid))
+                peak = max(peak, log[-1].segments_after)
+                if check_layout:
+                    check(layout)
 
         # 5. GC: oldest first, so a segment's parents are always pruned before it
-        if retention_ms >= 0 and sealed and now - sealed[0][0] >= retention_ms:
-            due = []
-            while sealed and now - sealed[0][0] >= retention_ms:
-                due.append(sealed.popleft()[1])
-            layout = prune(layout, due)
+        if retention_ms >= 0 and sealed and t - sealed[0][0] >= retention_ms:
+            due_ids = []
+            while sealed and t - sealed[0][0] >= retention_ms:
+                due_ids.append(sealed.popleft()[1])
+            layout = prune(layout, due_ids)
+            dirty = True  # merge depths may have changed
             if check_layout:
                 check(layout)
 
-    hours = steps * dt / 3600.0
+        # Which step is the next that can differ from this one?
+        if step_by_step or operated or dirty:  # dirty: GC changed what decide sees
+            following = t + step_ms
+        else:
+            nxt = last + step_ms
+            if change + 1 < len(times):
+                nxt = min(nxt, times[change + 1])
+            if heartbeat_ms and not lazy_heartbeats:
+                for rep in reporters.values():
+                    if rep.written_at is not None:
+                        nxt = min(nxt, rep.written_at + heartbeat_ms)
+            if wake is not None:
+                nxt = min(nxt, wake)
+            if retention_ms >= 0 and sealed:
+                nxt = min(nxt, sealed[0][0] + math.ceil(retention_ms))
+            following = t + max(1, -(-(nxt - t) // step_ms)) * step_ms
+        steps = (min(following, last + step_ms) - t) // step_ms
+        runs.add(t, int(steps), measure)
+        t = following
+
+    if lazy_heartbeats and not step_by_step:
+        end_ms = source.start_ms + len_steps(source, step_ms) * step_ms
+        for rep in reporters.values():
+            if rep.written_at is not None and rep.record is not None:
+                writes += max(0, (end_ms - 1 - rep.written_at) // heartbeat_ms)
+    return _result(
+        runs,
+        dt,
+        step_ms,
+        splits,
+        merges,
+        children,
+        writes,
+        ops.flipflops,
+        peak,
+        log,
+        layout,
+        timeline_points,
+        zoom_seconds,
+        visited,
+    )
+
+
+def len_steps(source: LoadSource, step_ms: int) -> int:
+    """How many evaluation steps a replay of ``source`` has."""
+    return (source.last_ms - source.start_ms) // step_ms + 1
+
+
+def _wake(
+    layout: Layout,
+    seen: dict[int, LoadSample],
+    policy: PolicySettings,
+    now: int,
+    last_split: int | None,
+    last_merge: int | None,
+    history: TopicHistory,
+) -> int | None:
+    """When ``decide`` must be asked again though nothing was written."""
+    times = [
+        x
+        for x in (
+            next_decision_ms(layout, seen, policy, now, last_split, last_merge),
+            history.next_expiry_ms(now, policy),
+        )
+        if x is not None
+    ]
+    return min(times) if times else None
+
+
+def _result(
+    runs: _Runs,
+    dt: float,
+    step_ms: int,
+    splits: int,
+    merges: int,
+    children: int,
+    writes: int,
+    flipflops: int,
+    peak: int,
+    log: list[Operation],
+    layout: Layout,
+    timeline_points: int,
+    zoom_seconds: float,
+    visited: int,
+) -> SimResult:
+    steps = segment_steps = above_steps = topic_above = run = longest = 0
+    excess = excess_msgs = late = 0.0
+    max_n = 0
+    for count, (n, above, step_excess, msgs, hottest, _) in zip(
+        runs.count, runs.measures, strict=True
+    ):
+        steps += count
+        segment_steps += n * count
+        above_steps += above * count
+        excess += step_excess * count
+        excess_msgs += msgs * count
+        max_n = max(max_n, n)
+        if hottest > 1.0:
+            topic_above += count
+            late += step_excess * (count if run > 0 else count - 1)
+            run += count
+            longest = max(longest, run)
+        else:
+            run = 0
     metrics = Metrics(
         segment_hours=segment_steps * dt / 3600.0,
         seconds_above_threshold=above_steps * dt,
         excess_load=excess * dt,
         splits=splits,
         merges=merges,
-        flipflops=ops.flipflops,
-        peak_segments=max(peak, max(tl_n, default=0)),
+        flipflops=flipflops,
+        peak_segments=max(peak, max_n),
         operations=splits + merges,
         children_created=children,
         mean_segments=segment_steps / steps if steps else 0.0,
-        topic_seconds_above_threshold=topic_above_steps * dt,
-        longest_overload_seconds=longest_run * dt,
+        topic_seconds_above_threshold=topic_above * dt,
+        longest_overload_seconds=longest * dt,
         excess_messages=excess_msgs * dt,
-        late_excess_load=late_excess * dt,
+        late_excess_load=late * dt,
         load_writes=writes,
-        hours=hours,
+        hours=steps * dt / 3600.0,
     )
-    full = Timeline(tl_t, tl_load, tl_hot, tl_n)
     return SimResult(
         metrics,
         log,
-        downsample(full, timeline_points),
-        _window(full, zoom_seconds * 1000.0),
+        _downsample_runs(runs, step_ms, timeline_points),
+        _zoom_runs(runs, step_ms, zoom_seconds * 1000.0),
         layout,
+        visited,
+    )
+
+
+def _expand(runs: _Runs, step_ms: int, first: int = 0, stop: int | None = None) -> Timeline:
+    """Runs ``first`` to ``stop`` as one entry per step."""
+    ts: list[int] = []
+    load: list[float] = []
+    hot: list[float] = []
+    segs: list[int] = []
+    for t, count, m in zip(
+        runs.t[first:stop], runs.count[first:stop], runs.measures[first:stop], strict=True
+    ):
+        ts.extend(range(t, t + count * step_ms, step_ms))
+        load.extend([m[5]] * count)
+        hot.extend([m[4]] * count)
+        segs.extend([m[0]] * count)
+    return Timeline(ts, load, hot, segs, [float(n) for n in segs])
+
+
+def _downsample_runs(runs: _Runs, step_ms: int, points: int) -> Timeline:
+    """``downsample`` of the per-step timeline, computed from the runs directly."""
+    n = sum(runs.count)
+    size = max(1, math.ceil(n / max(1, points)))
+    if size == 1:
+        return _expand(runs, step_ms)
+    ts: list[int] = []
+    load: list[float] = []
+    hot: list[float] = []
+    segs: list[int] = []
+    seg_steps: list[int] = []
+    steps: list[int] = []
+    index = 0  # steps before the current run
+    for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
+        offset = 0
+        while offset < count:
+            position = index + offset
+            take = min(count - offset, size - position % size)
+            if position % size == 0:  # a bucket starts here
+                ts.append(t + offset * step_ms)
+                load.append(m[5])
+                hot.append(m[4])
+                segs.append(m[0])
+                seg_steps.append(m[0] * take)
+                steps.append(take)
+            else:
+                if m[5] > load[-1]:  # noqa: PLR1730 - not max(): this runs per run
+                    load[-1] = m[5]
+                if m[4] > hot[-1]:  # noqa: PLR1730
+                    hot[-1] = m[4]
+                if m[0] > segs[-1]:  # noqa: PLR1730
+                    segs[-1] = m[0]
+                seg_steps[-1] += m[0] * take
+                steps[-1] += take
+            offset += take
+        index += count
+    return Timeline(ts, load, hot, segs, [a / b for a, b in zip(seg_steps, steps, strict=True)])
+
+
+RISE_MS: Final = 3_600_000
+"""The zoom centres on the steepest rise of the topic's load over this long (:func:`_centre`)."""
+
+
+RISE_FROM: Final = 0.5
+"""...from a load below this (in split thresholds): a topic that light has merged down."""
+
+
+def _centre(runs: _Runs, step_ms: int) -> int:
+    """When the topic's load rose most within an hour from below :data:`RISE_FROM` (ties:
+    the first); else the start of the trace. Where a quiet topic suddenly needs several
+    segments is where the policies part ways; at the peak every variant has usually
+    caught up long before, and a topic that is never quiet only differs at its start,
+    where every policy begins from one segment."""
+    window: deque[tuple[int, float]] = deque()  # (end of run, load), loads increasing
+    best_rise, best_t = 0.0, -1
+    for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
+        while window and window[0][0] <= t - RISE_MS:
+            window.popleft()
+        if window and window[0][1] < RISE_FROM and m[5] - window[0][1] > best_rise:
+            best_rise, best_t = m[5] - window[0][1], t
+        while window and window[-1][1] >= m[5]:
+            window.pop()
+        window.append((t + count * step_ms, m[5]))
+    return best_t if best_t >= 0 else runs.t[0]
+
+
+def _zoom_runs(runs: _Runs, step_ms: int, span_ms: float) -> Timeline:
+    """Full resolution within ``span_ms / 2`` of :func:`_centre`."""
+    if not runs.t:
+        return Timeline([], [], [], [], [])
+    centre = _centre(runs, step_ms)
+    first = bisect.bisect_right(runs.t, centre - span_ms / 2) - 1
+    stop = bisect.bisect_right(runs.t, centre + span_ms / 2)
+    near = _expand(runs, step_ms, max(0, first), stop)
+    keep = [i for i, t in enumerate(near.t_ms) if abs(t - centre) <= span_ms / 2]
+    return Timeline(
+        [near.t_ms[i] for i in keep],
+        [near.load[i] for i in keep],
+        [near.hottest[i] for i in keep],
+        [near.segments[i] for i in keep],
+        [near.segments_mean[i] for i in keep],
     )
 
 
 def downsample(timeline: Timeline, points: int) -> Timeline:
-    """At most ``points`` buckets of equal length, each keeping its maxima (and first time)."""
+    """At most ``points`` buckets of equal length, each keeping its maxima (and first time)
+    and the mean segment count."""
     n = len(timeline.t_ms)
     size = max(1, math.ceil(n / max(1, points)))
     if size == 1:
         return timeline
-    ts, load, hot, segs = [], [], [], []
+    ts, load, hot, segs, means = [], [], [], [], []
     for i in range(0, n, size):
         j = min(n, i + size)
         ts.append(timeline.t_ms[i])
         load.append(max(timeline.load[i:j]))
         hot.append(max(timeline.hottest[i:j]))
         segs.append(max(timeline.segments[i:j]))
-    return Timeline(ts, load, hot, segs)
-
-
-def _window(timeline: Timeline, span_ms: float) -> Timeline:
-    """The steps within ``span_ms / 2`` of the topic's peak load (the first, if tied)."""
-    if not timeline.t_ms:
-        return timeline
-    peak = max(range(len(timeline.load)), key=timeline.load.__getitem__)
-    centre = timeline.t_ms[peak]
-    keep = [i for i, t in enumerate(timeline.t_ms) if abs(t - centre) <= span_ms / 2]
-    return Timeline(
-        [timeline.t_ms[i] for i in keep],
-        [timeline.load[i] for i in keep],
-        [timeline.hottest[i] for i in keep],
-        [timeline.segments[i] for i in keep],
-    )
+        means.append(sum(timeline.segments[i:j]) / (j - i))
+    return Timeline(ts, load, hot, segs, means)

@@ -149,9 +149,17 @@ def import_history(root: str | Path, options: TraceOptions) -> list[Trace]:
                     )
                     for i in rows
                 ],
+                _buckets([table["hash_buckets"][i] for i in rows]),
             )
         )
     return traces
+
+
+def _buckets(raw: list[list[float] | None]) -> list[tuple[float, ...] | None] | None:
+    """Recorded histograms as tuples; None when no row has one."""
+    if all(b is None for b in raw):
+        return None
+    return [tuple(b) if b else None for b in raw]
 
 
 def discover(paths: Iterable[str | Path], options: TraceOptions) -> list[Trace]:

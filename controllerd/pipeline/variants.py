@@ -19,7 +19,8 @@ the daemon's config tables it names::
 
 Overridable tables: ``policy`` (with ``split_thresholds`` / ``merge_thresholds``),
 ``load_report``, ``autoscale.interval_seconds``, ``gc.default_retention_seconds``
-and ``simulator`` (``track_cold_since``, ``initial_segments``). Grid variants are
+and ``simulator`` (``track_cold_since``, ``initial_segments``, ``hash_buckets``:
+slices of the histogram reporters publish, 0 = none as Pulsar). Grid variants are
 named ``<name>[<last key part>=<value>,...]``, in the grid's key order.
 
 The ``controllerd`` preset reads ``PolicySettings()`` and ``LoadReportSettings()``
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -39,23 +39,24 @@ from pathlib import Path
 from typing import Any, Final, TypeVar, get_type_hints
 
 from controllerd.config import AutoscaleSettings, GcSettings, LoadReportSettings
-from controllerd.core.model import PolicySettings, Rates
+from controllerd.core.model import PULSAR_PARITY, PolicySettings, Rates
 from controllerd.pipeline.simulate import Strategy
 
 PULSAR_POLICY: Final = PolicySettings(
-    enabled=True,
-    min_segments=1,
-    max_segments=64,
-    max_dag_depth=10,
-    max_split_fanout=2,
-    split_cooldown_seconds=60.0,
-    merge_cooldown_seconds=300.0,
-    merge_window_seconds=300.0,
-    load_ttl_seconds=0.0,
-    min_split_width=1,
-    merge_combined_max_ratio=math.inf,
-    split_thresholds=Rates(10_000.0, 50e6, 50_000.0, 250e6),
-    merge_thresholds=Rates(1_000.0, 5e6, 5_000.0, 25e6),
+    **{
+        **PULSAR_PARITY,
+        "enabled": True,
+        "min_segments": 1,
+        "max_segments": 64,
+        "max_dag_depth": 10,
+        "split_cooldown_seconds": 60.0,
+        "merge_cooldown_seconds": 300.0,
+        "merge_window_seconds": 300.0,
+        "merge_backoff_decay_seconds": 86_400.0,
+        "load_aware_splits": False,
+        "split_thresholds": Rates(10_000.0, 50e6, 50_000.0, 250e6),
+        "merge_thresholds": Rates(1_000.0, 5e6, 5_000.0, 25e6),
+    }
 )
 """PIP-483's defaults, spelled out so that changing ours never changes Pulsar's."""
 
@@ -256,7 +257,7 @@ def _build(where: str, table: Mapping[str, Any], errs: list[str]) -> Strategy | 
         errs,
     )
     sim = _override(
-        _Simulator(base.track_cold_since, base.initial_segments),
+        _Simulator(base.track_cold_since, base.initial_segments, base.hash_buckets),
         table.get("simulator", {}),
         f"{where}.simulator",
         errs,
@@ -270,6 +271,7 @@ def _build(where: str, table: Mapping[str, Any], errs: list[str]) -> Strategy | 
         track_cold_since=sim.track_cold_since,
         initial_segments=sim.initial_segments,
         gc_retention_seconds=gc.default_retention_seconds,
+        hash_buckets=sim.hash_buckets,
     )
     problems = strategy.errors()
     errs.extend(f"{where}: {p}" for p in problems)
@@ -280,6 +282,7 @@ def _build(where: str, table: Mapping[str, Any], errs: list[str]) -> Strategy | 
 class _Simulator:
     track_cold_since: bool
     initial_segments: int
+    hash_buckets: int = 0
 
 
 def _override(base: _T, table: Any, where: str, errs: list[str]) -> _T:

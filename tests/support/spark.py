@@ -2,7 +2,8 @@
 
 Python workers run on this interpreter (``PYSPARK_PYTHON=sys.executable``), on
 loopback, with two cores, few shuffle partitions and no UI, so the session is
-as small and fast as Spark gets. Spark tests take the ``spark`` fixture::
+as small and fast as Spark gets; its JVM logs errors only, like the backtest's.
+Spark tests take the ``spark`` fixture::
 
     from tests.support.spark import spark_fixture  # noqa: F401 - fixture
 
@@ -30,6 +31,9 @@ def spark_fixture() -> Iterator[SparkSession]:
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     from pyspark.sql import SparkSession
 
+    from controllerd.pipeline.engines import quiet_log4j2
+
+    quiet = f"-Dlog4j2.configurationFile={quiet_log4j2()}"
     builder: Any = SparkSession.builder
     session: SparkSession = (
         builder.master("local[2]")
@@ -40,6 +44,8 @@ def spark_fixture() -> Iterator[SparkSession]:
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.driver.memory", "1g")
+        .config("spark.driver.extraJavaOptions", quiet)
+        .config("spark.executor.extraJavaOptions", quiet)
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

@@ -1,0 +1,196 @@
+"""The event-driven replay gives exactly the step-by-step metrics; skewed keys and histograms."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controllerd.core.model import HASH_SPACE
+from controllerd.pipeline.load import Skew, Trace, slice_bounds, source_for
+from controllerd.pipeline.simulate import SimResult, Strategy, simulate
+from controllerd.pipeline.traces import TraceOptions, discover
+from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, controllerd, parse_variants, pip483
+
+SHARED: Final = Path(__file__).resolve().parents[2] / "shared" / "traces"
+T0: Final = 1_700_000_000_000
+MINUTE: Final = 60_000
+THRESHOLD: Final = REFERENCE_THRESHOLDS.msg_rate_in
+
+EVERYTHING_ON: Final = parse_variants(
+    """
+[variants.on]
+preset = "controllerd"
+policy.peak_window_seconds = 7200
+policy.merge_backoff_factor = 3.0
+policy.merge_backoff_decay_seconds = 3600
+policy.range_split_cooldown = true
+policy.split_to_peak = true
+policy.merge_window_seconds = 1200
+simulator.hash_buckets = 16
+"""
+)[0].strategy
+
+
+def both(
+    trace: Trace, strategy: Strategy, skew: Skew, seed: int = 3
+) -> tuple[SimResult, SimResult]:
+    fast = simulate(
+        source_for(trace, skew, seed), strategy, REFERENCE_THRESHOLDS, check_layout=True
+    )
+    slow = simulate(
+        source_for(trace, skew, seed), strategy, REFERENCE_THRESHOLDS, step_by_step=True
+    )
+    return fast, slow
+
+
+def assert_identical(fast: SimResult, slow: SimResult) -> None:
+    assert fast.metrics == slow.metrics  # bit-identical, not approximately equal
+    assert fast.operations == slow.operations
+    assert fast.timeline == slow.timeline and fast.zoom == slow.zoom
+    assert fast.final_layout == slow.final_layout
+
+
+def shared(path: str, max_hours: float | None = None) -> Trace:
+    (trace,) = discover([SHARED / path], TraceOptions(max_hours=max_hours))
+    return trace
+
+
+TRACES: Final = [
+    ("aws/ec2_disk_write_bytes_1ef3de.csv", None),
+    ("aws/ec2_disk_write_bytes_c0d644.csv", None),
+    ("aws/occupancy_6005.csv", None),
+    ("aws/ec2_cpu_utilization_825cc2.csv", 24 * 7),
+    ("nab/Twitter_volume_IBM.csv", 24 * 10),
+    ("nab/nyc_taxi.csv", 24 * 21),
+]
+
+
+@pytest.mark.parametrize(("path", "hours"), TRACES)
+def test_event_driven_replay_equals_step_by_step_on_the_shared_traces(
+    path: str, hours: float | None
+) -> None:
+    trace = shared(path, hours)
+    visited = []
+    for strategy, skew in (
+        (pip483(), Skew()),
+        (controllerd(), Skew()),
+        (EVERYTHING_ON, Skew.parse("hotspot:0.4:12:2048")),
+    ):
+        fast, slow = both(trace, strategy, skew)
+        assert_identical(fast, slow)
+        assert fast.metrics.operations > 0  # the trace exercises the policy
+        visited.append(fast.visited_steps / slow.visited_steps)
+    assert max(visited) < 0.5  # and the replay skipped most steps
+
+
+levels = st.lists(
+    st.tuples(st.one_of(st.floats(0, 0.15), st.floats(0, 6)), st.integers(1, 40)),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    levels=levels,
+    preset=st.sampled_from(["pip483", "controllerd", "on"]),
+    skew=st.sampled_from(["uniform", "zipf:1.2:50", "hotkey:0.5", "hotspot:0.6:1:512"]),
+    changes=st.fixed_dictionaries(
+        {
+            "merge_window_seconds": st.sampled_from([0.0, 60.0, 300.0]),
+            "merge_cooldown_seconds": st.sampled_from([0.0, 60.0, 300.0]),
+            "split_cooldown_seconds": st.sampled_from([0.0, 30.0, 60.0, 150.0]),
+            "load_ttl_seconds": st.sampled_from([0.0, 120.0, 900.0]),
+        }
+    ),
+    heartbeat=st.sampled_from([0.0, 60.0, 300.0, 1000.0]),
+    retention=st.sampled_from([-1.0, 0.0, 600.0]),
+)
+def test_event_driven_replay_equals_step_by_step_on_random_load(
+    levels: list[tuple[float, int]],
+    preset: str,
+    skew: str,
+    changes: dict[str, Any],
+    heartbeat: float,
+    retention: float,
+) -> None:
+    base = {"pip483": pip483(), "controllerd": controllerd(), "on": EVERYTHING_ON}[preset]
+    strategy = dataclasses.replace(
+        base,
+        policy=dataclasses.replace(base.policy, **changes),
+        report=dataclasses.replace(base.report, report_max_interval_seconds=heartbeat),
+        gc_retention_seconds=retention,
+    )
+    times, values, t = [], [], T0
+    for level, minutes in levels:
+        times.append(t)
+        values.append(level * THRESHOLD)
+        t += minutes * MINUTE
+    times.append(t)
+    values.append(values[-1])
+    n = len(times)
+    trace = Trace(
+        "r", "series", times, [0] * n, [0xFFFF] * n, [(v, v * 100, v, v * 100) for v in values]
+    )
+    assert_identical(*both(trace, strategy, Skew.parse(skew)))
+
+
+# --- skewed keys and the reporters' histograms -----------------------------------------------
+
+
+def flat(level: float, minutes: int) -> Trace:
+    n = minutes
+    return Trace(
+        "flat",
+        "series",
+        [T0 + i * MINUTE for i in range(n)],
+        [0] * n,
+        [0xFFFF] * n,
+        [(level * THRESHOLD, level * THRESHOLD, level * THRESHOLD, level * THRESHOLD)] * n,
+    )
+
+
+def test_reporters_publish_the_histogram_of_their_range() -> None:
+    source = source_for(flat(1.0, 1), Skew.parse("hotkey:0.5"), 4)
+    snap = source.snapshot(0)
+    buckets = snap.buckets(0, 0xFFFF, 32)
+    assert len(buckets) == 32 and sum(buckets) == pytest.approx(THRESHOLD)
+    assert max(buckets) == pytest.approx(0.5 * THRESHOLD + 0.5 * THRESHOLD / 32)
+    assert slice_bounds(0, 15, 32)[0] == (0, -1)  # narrower than n: empty slices
+
+
+def test_hot_spot_moves_and_load_aware_splits_isolate_it() -> None:
+    """A 1024-wide spot with 60% of 3x the threshold: equal-width children leave one child
+    hot and need more splits; the histogram puts the spot in a child of its own."""
+    trace = flat(3.0, 24 * 60)
+    skew = Skew.parse("hotspot:0.6:6:1024")
+    source = source_for(trace, skew, 1)
+    assert len(source.change_times()) == 4  # the spot moved three times in 24 h
+    equal = controllerd()
+    aware = dataclasses.replace(equal, hash_buckets=32)
+    r_equal = simulate(source_for(trace, skew, 1), equal, REFERENCE_THRESHOLDS)
+    r_aware = simulate(source_for(trace, skew, 1), aware, REFERENCE_THRESHOLDS)
+    assert r_aware.metrics.excess_load < r_equal.metrics.excess_load
+    first = r_aware.operations[0]
+    assert first.action == "split"
+
+
+def test_a_hot_key_alone_above_the_threshold_is_left_alone_once_isolated() -> None:
+    """One key carries 1.5x the threshold: no split can relieve it. With the histogram the
+    policy isolates it and then says hot-key; equal-width keeps splitting towards it."""
+    trace = flat(1.6, 6 * 60)
+    skew = Skew.parse("hotkey:0.94")
+    aware = dataclasses.replace(controllerd(), hash_buckets=32)
+    r_aware = simulate(source_for(trace, skew, 2), aware, REFERENCE_THRESHOLDS)
+    r_equal = simulate(source_for(trace, skew, 2), controllerd(), REFERENCE_THRESHOLDS)
+    assert r_aware.metrics.splits < r_equal.metrics.splits
+    assert r_aware.metrics.peak_segments < r_equal.metrics.peak_segments
+    # Neither relieves the key: the excess is the key's own.
+    assert r_aware.metrics.excess_load == pytest.approx(r_equal.metrics.excess_load, rel=0.05)
+    widths = sorted(s.hash_range.width for s in r_aware.final_layout.active_segments())
+    assert widths[0] < HASH_SPACE // 8

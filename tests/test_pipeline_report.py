@@ -1,0 +1,151 @@
+"""The backtest's plots, rendered and read back as matplotlib objects, and its report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Final
+
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controllerd.pipeline.report import (
+    DAY_MS,
+    daily,
+    pareto_figure,
+    pareto_front,
+    render_report,
+    trace_figure,
+    verdicts,
+)
+from controllerd.pipeline.simulate import Timeline, _downsample_runs, _expand, _Runs, downsample
+
+T0: Final = 1_420_070_400_000
+MINUTE: Final = 60_000
+
+
+def timeline(days: float, phase: int = 0) -> Timeline:
+    n = int(days * 24 * 60 / 5)
+    load = [0.2 + 3.5 * ((i + phase) % 288 > 200) for i in range(n)]
+    segs = [1 + 3 * ((i + phase) % 288 > 205) for i in range(n)]
+    return Timeline(
+        [T0 + i * 5 * MINUTE for i in range(n)],
+        load,
+        [x / s for x, s in zip(load, segs, strict=True)],
+        segs,
+        [float(s) for s in segs],
+    )
+
+
+def legend_texts(fig: Any) -> list[str]:
+    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+
+@pytest.mark.parametrize("days", [2, 60])
+def test_trace_plots_name_every_line_share_scales_and_say_the_time_zone(
+    days: int, tmp_path: Path
+) -> None:
+    rows = [("pip483", timeline(days)), ("controllerd", timeline(days, 7))]
+    fig = trace_figure("t", rows)
+    panels = [ax for ax in fig.axes if ax.get_ylabel() == "load / threshold"]
+    twins = [ax for ax in fig.axes if ax.get_ylabel() == "segments"]
+    assert len(panels) == len(twins) == 2
+    assert [ax.get_title(loc="left") for ax in panels] == ["pip483", "controllerd"]
+    assert panels[0].get_shared_y_axes().joined(panels[0], panels[1])
+    assert twins[0].get_shared_y_axes().joined(twins[0], twins[1])
+    assert panels[0].get_ylim() == panels[1].get_ylim()
+    assert twins[0].get_ylim() == twins[1].get_ylim()
+    assert "UTC" in panels[-1].get_xlabel()
+    texts = legend_texts(fig)
+    for name in ("topic load", "hottest segment", "split threshold", "active segments"):
+        assert any(t.startswith(name) for t in texts), (name, texts)
+    # Every line drawn on a panel has its entry in the legend (by colour and style).
+    entries = {
+        (h.get_color(), h.get_linestyle()) for leg in fig.legends for h in leg.legend_handles
+    }
+    for ax in [*panels, *twins]:
+        for line in ax.get_lines():
+            assert (line.get_color(), line.get_linestyle()) in entries
+    drawn = max(len(line.get_xdata()) for line in panels[0].get_lines())
+    if days > 14:  # long traces are daily aggregates, not thousands of points
+        assert "per day" in panels[-1].get_xlabel() and drawn <= days + 2
+        assert any("daily mean" in t for t in texts)
+    else:
+        assert drawn == len(rows[0][1].t_ms)
+    fig.savefig(tmp_path / "t.png", dpi=40)
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_daily_aggregates_keep_maxima_and_average_the_segments() -> None:
+    tl = timeline(3)
+    day = daily(tl)
+    assert len(day.t_ms) == 3 and all(t % DAY_MS == 0 for t in day.t_ms)
+    assert day.load == [3.7, 3.7, 3.7] and day.segments == [4, 4, 4]
+    assert day.segments_mean[0] == pytest.approx(sum(tl.segments[:288]) / 288)
+
+
+def test_pareto_plot_has_no_text_to_overlap_and_names_every_variant() -> None:
+    points = {f"variant-{i}": (1000.0 + i, 500.0 - i) for i in range(8)}
+    points["same-a"] = points["same-b"] = (2000.0, 0.0)
+    front = pareto_front(points)
+    fig = pareto_figure(points, front)
+    (ax,) = fig.axes
+    assert not ax.texts  # names live in the legend only
+    texts = legend_texts(fig)
+    for name in points:
+        assert any(t.startswith(name + ":") for t in texts)
+    assert "Pareto front" in texts
+    assert ax.get_yscale() == "symlog"
+    assert ax.get_xlabel() and ax.get_ylabel()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 5), st.floats(0, 5)), min_size=1, max_size=30
+    ),
+    st.integers(1, 50),
+)
+def test_timelines_from_runs_equal_the_per_step_ones(
+    runs: list[tuple[int, int, float]], points: int
+) -> None:
+    r = _Runs()
+    t = T0
+    for count, segments, load in runs:
+        r.add(t, count, (segments, 0, 0.0, 0.0, load / segments, load))
+        t += count * MINUTE
+    assert _downsample_runs(r, MINUTE, points) == downsample(_expand(r, MINUTE), points)
+
+
+def test_report_checks_the_issue_targets() -> None:
+    rows = []
+    for trace, base_ff in (("a", 40), ("b", 0)):
+        rows.append((trace, "pip483", 100.0, 1000.0, 50, base_ff))
+        rows.append((trace, "good", 120.0, 100.0, 40, 1 if base_ff else 0))
+        rows.append((trace, "churny", 120.0, 100.0, 50, 3))
+    metrics = pd.DataFrame(
+        [
+            {
+                "trace": t,
+                "variant": v,
+                "segment_hours": sh,
+                "seconds_above_threshold": 0.0,
+                "excess_load": ex,
+                "late_excess_load": 0.0,
+                "splits": ops // 2,
+                "merges": ops - ops // 2,
+                "operations": ops,
+                "flipflops": ff,
+                "peak_segments": 4,
+            }
+            for t, v, sh, ex, ops, ff in rows
+        ]
+    )
+    got = {v.variant: v for v in verdicts(metrics)}
+    assert got["good"].ok  # 1 flip-flop <= 5% of 40; 80 < 100 operations
+    assert not got["churny"].passed["operations"]  # 100 operations are not fewer
+    assert not got["churny"].passed["flipflops"]  # 6 > 2
+    assert got["good"].traces_passing["flipflops"] == 2
+    text = render_report(metrics, {"command": "x"})
+    assert "flip-flops at most 5%" in text and "fewer operations" in text
