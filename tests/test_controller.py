@@ -474,3 +474,32 @@ async def test_cold_since_of_a_record_without_time_stamps_is_persisted(
         await h.store.put(h.keys.load(TOPIC, 0), record)
         kv = await _eventually_stored(h.store, h.keys.cold_since(TOPIC, 0))
         assert int(kv) == start
+
+
+async def test_a_flip_flop_is_remembered_in_etcd_for_the_next_leader(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """The merge backoff needs each range's flip-flops (a split of a merge child within
+    its merge window); they are kept under <root>/history/ so a new leader has them."""
+    window = "[policy]\nmerge_window_seconds = 300\nmerge_cooldown_seconds = 0\n"
+    async with open_store([etcd_server.endpoint]) as store:
+        async with open_harness(
+            etcd_server.endpoint, etcd_prefix, store=store, extra_config=window
+        ) as h1:
+            await h1.add_topic(segments=2)
+            await h1.put_load(0, COLD)
+            await h1.put_load(1, COLD)
+            await h1.clock.advance(301.0)
+            await h1.put_load(1, COLD + 1)
+            await eventually(lambda: h1.requests("/merge/") == 1)
+            await eventually(lambda: 2 in (h1.view_layout() or h1.layout()).segments)
+            await h1.put_load(2, HOT)  # the merge child is hot at once: a flip-flop
+            await eventually(lambda: h1.requests("/split/") == 1)
+            stored = await _eventually_stored(store, h1.keys.history(TOPIC))
+            ranges = json.loads(stored)
+            assert ranges and all(r["flipflops"] == 1 for r in ranges.values())
+        async with open_harness(
+            etcd_server.endpoint, etcd_prefix, store=store, replica="test-2", extra_config=window
+        ) as h2:
+            history = h2.controller.view.topics[TOPIC].history
+            assert history is not None and history.to_json() == ranges

@@ -27,6 +27,7 @@ Keys (DESIGN §3), ``M`` = metadata prefix, ``C`` = controller root::
     M/admin/policies/<t>/<ns>                                  Pulsar namespace policies
     C/leader  C/cooldowns/<topic>  C/policies/<t>[/<ns>[/<topic>]]
     C/cold-since/<topic>/<id>  C/pending-deletes/<topic>/<descriptor>
+    C/history/<topic>                                          flip-flops and peaks
     C/members/<replica>  C/shards/<nnnn>                       (sharded mode)
 """
 
@@ -51,6 +52,7 @@ from controllerd.core.model import (
     layout_from_json,
     load_sample_from_json,
 )
+from controllerd.core.policy import TopicHistory
 from controllerd.core.pulsar import (
     NAMESPACE_POLICIES_ROOT,
     NamespacePolicies,
@@ -68,6 +70,7 @@ ChangeKind = Literal[
     "cooldown",
     "cold",
     "pending-delete",
+    "history",
 ]
 
 KEY_KINDS: Final = (
@@ -79,6 +82,7 @@ KEY_KINDS: Final = (
     "cooldown",
     "cold_since",
     "pending_delete",
+    "history",
     "pulsar_policy",
     "member",
     "other",
@@ -140,6 +144,10 @@ class Keys:
 
     def cold_since(self, topic: TopicName, segment_id: int) -> str:
         return f"{self.controller_root}/cold-since/{key_path(topic)}/{segment_id}"
+
+    def history(self, topic: TopicName) -> str:
+        """The topic's :class:`~controllerd.core.policy.TopicHistory` (flip-flops, peaks)."""
+        return f"{self.controller_root}/history/{key_path(topic)}"
 
     @property
     def pending_deletes_prefix(self) -> str:
@@ -351,6 +359,8 @@ class TopicState:
     loads: LoadTable = field(default_factory=LoadTable)
     cooldown: Cooldown | None = None
     cold_since: dict[int, int] = field(default_factory=dict)
+    #: Flip-flops and peaks the history-based rules need; None while there are none.
+    history: TopicHistory | None = None
 
     def consumer_counts(self) -> dict[str, int]:
         """Consumers per STREAM/CHECKPOINT subscription (QUEUE ones never split)."""
@@ -471,6 +481,8 @@ class MetadataView:
                 if state.cooldown is not None:
                     held.append(k.cooldown(name))
                 held.extend(k.cold_since(name, sid) for sid in state.cold_since)
+                if state.history is not None:
+                    held.append(k.history(name))
             held.extend(k.policy(t, ns, topic) for t, ns, topic in self.overrides)
             held.extend(self.pending_deletes)
         root = self.keys.pulsar_policies_prefix
@@ -535,6 +547,7 @@ class MetadataView:
             "cooldowns": "cooldown",
             "cold-since": "cold_since",
             "pending-deletes": "pending_delete",
+            "history": "history",
         }.get(parts[0], "other")
 
     # -- metadata prefix ------------------------------------------------------------------
@@ -660,6 +673,13 @@ class MetadataView:
                     raise ModelError(f"cold-since: must be >= 0, got {since}")
                 self.topic(name).cold_since[_segment_id(sid)] = since
                 return Change("cold", name, False)
+            case ["history", t, n, topic]:
+                name = topic_from_key(t, n, topic)
+                raw = parse_json(value)
+                if not isinstance(raw, dict):
+                    raise ModelError(f"history: expected a JSON object, got {_show(raw)}")
+                self.topic(name).history = TopicHistory.from_json(raw)
+                return Change("history", name, False)
             case ["pending-deletes", t, n, topic, descriptor]:
                 marker = parse_pending_delete(parse_json(value))
                 if marker.topic != topic_from_key(t, n, topic) or marker.descriptor != descriptor:
@@ -694,6 +714,11 @@ class MetadataView:
                 if state is not None:
                     state.cold_since.pop(_segment_id(sid), None)
                 return Change("cold", topic_from_key(t, n, topic), False)
+            case ["history", t, n, topic]:
+                state = self.topics.get(topic_from_key(t, n, topic))
+                if state is not None:
+                    state.history = None
+                return Change("history", topic_from_key(t, n, topic), False)
             case ["pending-deletes", *_]:
                 marker = self.pending_deletes.pop(key, None)
                 return Change("pending-delete", marker.topic if marker else None, False)

@@ -75,6 +75,7 @@ from controllerd.core.model import (
 )
 from controllerd.core.policy import (
     PolicyInvalid,
+    TopicHistory,
     below,
     decide,
     inherited_cold_since,
@@ -195,6 +196,11 @@ class Controller:
         self._awaiting: dict[TopicName, tuple[int, float]] = {}
         self._attempts: dict[TopicName, _Attempt] = {}
         self._unaddressable: set[TopicName] = set()
+        # operations done whose new layout we wait for, to carry the history over
+        self._applied: dict[
+            TopicName,
+            tuple[Layout, Split | Merge, PolicySettings, Mapping[int, LoadSample], int],
+        ] = {}
         self._policies: dict[TopicName, tuple[object, PolicySettings | PolicyInvalid]] = {}
         self._config_generation = 0
         self._config_seen: Config | None = None
@@ -296,8 +302,9 @@ class Controller:
             self._layout_arrived(outcome.topic)
             self._policies.pop(outcome.topic, None)
             self._index(outcome.topic)
+            self._carry_history(outcome.topic)
             if outcome.topic not in self.view.topics:  # deleted: forget what we kept
-                for memory in (self._scope_cache, self._attempts, self._awaiting):
+                for memory in (self._scope_cache, self._attempts, self._awaiting, self._applied):
                     memory.pop(outcome.topic, None)
                 self._unaddressable.discard(outcome.topic)
             self._metrics.topics.set(len(self.view.topics))
@@ -334,6 +341,10 @@ class Controller:
         if not isinstance(policy, PolicySettings):
             return False
         sample = state.loads[change.segment]
+        if policy.peak_window_seconds > 0:  # the window's peak is history decide needs
+            history = state.history if state.history is not None else TopicHistory()
+            history.observe(change.segment, sample.rates, self._clock.now_ms(), policy)
+            state.history = history
         if _over(sample.rates, policy.split_thresholds):
             return True
         cold = below(sample.rates, policy.merge_thresholds)
@@ -348,6 +359,39 @@ class Controller:
             and held is not None
             and (held < sample.changed_at_ms or sample.sampled_at_ms is None)
         )
+
+    def _carry_history(self, topic: TopicName) -> None:
+        """Once the layout shows our split or merge, carry the topic's history over to the
+        new segments (a flip-flop counts), persist it if it changed, and forget segments
+        that are gone."""
+        state = self.view.topics.get(topic)
+        after = state.layout if state is not None else None
+        if state is None or after is None:
+            return
+        history = state.history
+        was = history.to_json() if history is not None else {}
+        applied = self._applied.get(topic)
+        if applied is not None:
+            before, decision, policy, loads, when = applied
+            sealed = _sealed_by(decision)
+            segments = [after.segments.get(sid) for sid in sealed]
+            if all(s is not None and not s.active and s.child_ids for s in segments):
+                del self._applied[topic]
+                history = history if history is not None else TopicHistory()
+                try:
+                    if history.applied(before, decision, after, when, policy, loads):
+                        log.info("topic.flipflop", topic=str(topic), op=decision.action)
+                except KeyError:  # the layout moved on in between: history is advice
+                    pass
+            elif after.epoch > before.epoch + 1 or any(s is None for s in segments):
+                del self._applied[topic]  # someone else changed it first (or GC pruned)
+        if history is None:
+            return
+        history.forget(s.segment_id for s in after.active_segments())
+        body = history.to_json()
+        state.history = history if body else None
+        if body != was and self.leads(topic):
+            self._write(self._keys.history(topic), orjson.dumps(body) if body else None, state)
 
     def _index(self, topic: TopicName) -> None:
         """Keep the per-shard topic index (sharded mode) in step with the view."""
@@ -567,6 +611,9 @@ class Controller:
             else sample
             for sid, sample in samples.items()
         }
+        history = state.history
+        if history is not None and isinstance(policy, PolicySettings):
+            loads = {sid: history.annotate(sid, s, now, policy) for sid, s in loads.items()}
         layout, revision = state.layout, state.layout_revision
         cooldown = state.effective_cooldown()
         decision: Decision
@@ -600,6 +647,9 @@ class Controller:
         outcome = await self._act(
             topic, state, leadership, (layout, revision), decision, policy, now
         )
+        if outcome == "ok" and isinstance(policy, PolicySettings):
+            self._applied[topic] = (layout, decision, policy, loads, now)
+            self._carry_history(topic)  # the new layout may be here already
         self._record(topic, decision, outcome, now, state, leadership)
         return decision
 
@@ -1096,6 +1146,10 @@ class Controller:
         if None in wanted or self._shards is None:
             return list(self.view.topics) if wanted else []
         return [t for s in wanted if s is not None for t in self._by_shard.get(s, ())]
+
+
+def _sealed_by(decision: Split | Merge) -> tuple[int, ...]:
+    return (decision.segment_id,) if isinstance(decision, Split) else (decision.a, decision.b)
 
 
 def _over(rates: Any, limits: Any) -> bool:
