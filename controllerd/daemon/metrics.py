@@ -64,6 +64,7 @@ DECISION_REASONS: Final[Mapping[str, tuple[str, ...]]] = {
         "merge-cooldown",
         "max-segments",
         "min-split-width",
+        "hot-key",
         "consumers",
         "pulsar-autoscaler",
     ),
