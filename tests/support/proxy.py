@@ -34,7 +34,7 @@ Mode = Literal["pass", "blackhole", "refuse"]
 CHUNK = 65536
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity (kept in a set)
 class _Link:
     """One client connection and its upstream twin."""
 
@@ -68,6 +68,7 @@ class TcpProxy:
         self._flowing.set()
         self._server: asyncio.Server | None = None
         self._links: set[_Link] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
 
     @property
     def endpoint(self) -> str:
@@ -97,15 +98,21 @@ class TcpProxy:
             await self.start()
 
     async def close(self) -> None:
-        self._flowing.set()
         if self._server is not None:
             self._server.close()
             self._server = None
         for link in list(self._links):
             link.reset()
         self._links.clear()
+        handlers = list(self._handlers)
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
         self.connections += 1
         link = _Link(writer)
         self._links.add(link)
@@ -124,7 +131,12 @@ class TcpProxy:
                 asyncio.create_task(self._pump(up_reader, writer)),
             ]
             await asyncio.gather(*link.tasks, return_exceptions=True)
+        except asyncio.CancelledError:
+            # Only close() cancels a handler; asyncio's stream server would log a
+            # handler task that ends cancelled as an error.
+            pass
         finally:
+            self._handlers.discard(task)
             self._links.discard(link)
             for side in (writer, link.upstream):
                 if side is not None:
