@@ -12,14 +12,17 @@ Pulsar does, so the replicas see their own operations through the watch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 
+from controllerd.adapters import backoff
 from controllerd.adapters.store import Store
 from controllerd.core.model import Layout, TopicName
 from controllerd.core.view import Keys
@@ -124,6 +127,20 @@ class Chaos:
         self.broker.subscriptions.setdefault(topic, {})[sub] = "STREAM"
         await self.store.put(self.keys.subscription(topic, sub), b'{"type": "STREAM"}')
 
+    async def split_with_subscription(self, topic: TopicName, *, retention: int = 0) -> str:
+        """A topic with subscription ``s``, split once by a hot load record (segment 0
+        sealed); segment 0's descriptor. ``retention``: the topic's own, in seconds."""
+        layout = self.broker.add_topic(topic, 1)
+        if retention:
+            layout = dataclasses.replace(
+                layout, properties={"segmentRetentionSeconds": str(retention)}
+            )
+            self.broker.topics[topic] = layout
+        await self.store.put(self.keys.layout(topic), layout_json(layout))
+        await self.add_subscription("s", topic)
+        await self.put_load(0, HOT, topic)
+        return layout.segments[0].descriptor
+
     async def put_load(self, segment_id: int, msg_in: float, topic: TopicName = TOPIC) -> None:
         now = int(time.time() * 1000)
         record = {
@@ -171,6 +188,53 @@ def _topic_path(topic: TopicName) -> str:
 def topic_path(topic: TopicName) -> str:
     """The admin path of a topic, as the faulty server sees it (for rules and counts)."""
     return _topic_path(topic)
+
+
+#: Gaps between two split requests shorter than this are the broker client's own
+#: retry within one operation (its schedule waits at most ``BROKER.first``, plus
+#: the layout read that reconciles); longer gaps separate operations.
+SAME_OPERATION = 0.3
+
+
+def operations(arrivals: Sequence[float]) -> list[list[float]]:
+    """Request arrival times grouped into operations (one decision's attempts)."""
+    ops: list[list[float]] = []
+    for at in arrivals:
+        if ops and at - ops[-1][-1] < SAME_OPERATION:
+            ops[-1].append(at)
+        else:
+            ops.append([at])
+    return ops
+
+
+def schedule_violations(
+    ops: Sequence[Sequence[float]], schedule: backoff.Backoff, max_retries: int, slack: float
+) -> list[str]:
+    """How a failing topic's operations break the retry schedules (empty: none).
+
+    Within an operation: at most ``max_retries + 1`` requests, spaced by at
+    least the broker client's floor. Between operations: the topic's backoff
+    after ``n`` failures, at least ``ceiling(n) / 2`` and at most
+    ``ceiling(n)`` (plus ``slack`` for a busy machine).
+    """
+    found: list[str] = []
+    for op in ops:
+        if len(op) > max_retries + 1:
+            found.append(
+                f"{len(op)} requests within {op[-1] - op[0]:.3f}s: not spaced by the backoff"
+            )
+        found.extend(
+            f"client retry after {b - a:.3f}s"
+            for a, b in itertools.pairwise(op)
+            if b - a < backoff.BROKER.first / 2
+        )
+    for failures, (a, b) in enumerate(itertools.pairwise(ops)):
+        gap, ceiling = b[0] - a[-1], schedule.ceiling(failures)
+        if gap < ceiling / 2:
+            found.append(f"retry {failures + 1} after {gap:.3f}s < floor {ceiling / 2}s")
+        if gap > ceiling + slack:
+            found.append(f"retry {failures + 1} after {gap:.3f}s > cap {ceiling}s")
+    return found
 
 
 @contextlib.asynccontextmanager

@@ -27,7 +27,7 @@ import pytest
 from controllerd.adapters import backoff
 from controllerd.adapters.store import Store
 from controllerd.core.model import TopicName
-from tests.faults.chaos import Chaos, open_chaos, topic_path
+from tests.faults.chaos import Chaos, open_chaos, operations, schedule_violations, topic_path
 from tests.support.daemon import wait_until
 from tests.support.etcd import EtcdServer
 from tests.support.faulty_http import Seen
@@ -38,9 +38,6 @@ INTERVAL = 2.0
 SCHEDULE = backoff.TOPIC_RETRY.capped_at(INTERVAL)
 #: broker.max_retries in the replicas' config (tests/support/daemon.write_config).
 MAX_RETRIES = 1
-#: Gaps shorter than this are the broker client's own retry within one operation
-#: (its schedule waits at most ``BROKER.first``); longer ones separate operations.
-SAME_OPERATION = 0.3
 #: Scheduling slack on a shared 2-core machine, added to upper bounds only.
 SLACK = 1.0
 STORM_SECONDS = 7.0
@@ -58,33 +55,11 @@ async def chaos(
         yield running
 
 
-def operations(posts: Sequence[Seen]) -> list[list[float]]:
-    """Split requests grouped into operations (one decision's attempts), by arrival."""
-    ops: list[list[float]] = []
-    for seen in posts:
-        if ops and seen.at - ops[-1][-1] < SAME_OPERATION:
-            ops[-1].append(seen.at)
-        else:
-            ops.append([seen.at])
-    return ops
-
-
 def check_schedule(name: str, ops: list[list[float]]) -> list[float]:
     """Assert the retries follow the schedule; the gaps between operations."""
     assert len(ops) >= 4, f"{name}: the topic was not evaluated again ({len(ops)} operations)"
-    for op in ops:
-        assert len(op) <= MAX_RETRIES + 1, (
-            f"{name}: {len(op)} split requests within {op[-1] - op[0]:.3f}s: "
-            "operations not spaced by the topic's backoff"
-        )
-        for a, b in itertools.pairwise(op):
-            assert b - a >= backoff.BROKER.first / 2, f"{name}: client retry after {b - a:.3f}s"
-    gaps = [b[0] - a[-1] for a, b in itertools.pairwise(ops)]
-    for failures, gap in enumerate(gaps):
-        floor, ceiling = SCHEDULE.ceiling(failures) / 2, SCHEDULE.ceiling(failures)
-        assert gap >= floor, f"{name}: retry {failures + 1} after {gap:.3f}s < floor {floor}s"
-        assert gap <= ceiling + SLACK, f"{name}: retry {failures + 1} after {gap:.3f}s > cap"
-    return gaps
+    assert schedule_violations(ops, SCHEDULE, MAX_RETRIES, SLACK) == [], name
+    return [b[0] - a[-1] for a, b in itertools.pairwise(ops)]
 
 
 async def keep_hot(chaos: Chaos, topics: Sequence[TopicName], seconds: float) -> None:
@@ -137,7 +112,7 @@ async def test_503_and_500_storms_back_off_bounded_jittered_and_recover(chaos: C
     gaps: dict[str, list[float]] = {}
     for topic in topics:
         failed = [s for s in split_posts(chaos, topic) if s.injected]
-        gaps[topic.topic] = check_schedule(topic.topic, operations(failed))
+        gaps[topic.topic] = check_schedule(topic.topic, operations([s.at for s in failed]))
     for kind in ("503", "500"):
         first, second = gaps[f"{kind}-1"], gaps[f"{kind}-2"]
         assert any(abs(a - b) > 0.02 for a, b in zip(first, second, strict=False)), (
@@ -154,7 +129,7 @@ async def test_409_and_412_answers_back_off_and_recover(chaos: Chaos) -> None:
     await storm_then_heal(chaos, topics)
     for topic in topics:
         failed = [s for s in split_posts(chaos, topic) if s.injected]
-        ops = operations(failed)
+        ops = operations([s.at for s in failed])
         assert all(len(op) == 1 for op in ops), f"{topic}: a 4xx was retried by the client"
         check_schedule(topic.topic, ops)
 

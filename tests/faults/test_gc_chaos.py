@@ -13,7 +13,6 @@ pending-delete marker, which the next leader finishes.
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,8 +22,7 @@ import pytest
 
 from controllerd.adapters.store import Store
 from controllerd.core.model import Layout, TopicName, layout_from_json
-from tests.faults.chaos import HOT, Chaos, open_chaos
-from tests.support.broker import layout_json
+from tests.faults.chaos import Chaos, open_chaos
 from tests.support.daemon import wait_until
 from tests.support.etcd import EtcdServer
 
@@ -41,18 +39,6 @@ async def chaos(
     ) as running:
         await running.leader()
         yield running
-
-
-async def split_with_subscription(chaos: Chaos, topic: TopicName, *, retention: int = 0) -> str:
-    """A topic split once (segment 0 sealed) with subscription ``s``; segment 0's descriptor."""
-    layout = chaos.broker.add_topic(topic, 1)
-    if retention:
-        layout = dataclasses.replace(layout, properties={"segmentRetentionSeconds": str(retention)})
-        chaos.broker.topics[topic] = layout
-    await chaos.store.put(chaos.keys.layout(topic), layout_json(layout))
-    await chaos.add_subscription("s", topic)
-    await chaos.put_load(0, HOT, topic)
-    return layout.segments[0].descriptor
 
 
 async def stored_layout(chaos: Chaos, topic: TopicName) -> Layout:
@@ -83,17 +69,17 @@ async def test_gc_never_deletes_with_backlog_unknown_backlog_or_inside_retention
         TopicName("acme", "gc", "no-answer"): 0,
     }
     kept = TopicName("acme", "gc", "retention")
-    parents = {drained: await split_with_subscription(chaos, drained)}
+    parents = {drained: await chaos.split_with_subscription(drained)}
     for topic, status in unknown.items():
         backlog_path = f"{SEGMENTS}{topic.tenant}/{topic.namespace}/{topic.topic}/"
         if status:
             chaos.http.fail(backlog_path, status, method="GET")
         else:
             chaos.http.hang(backlog_path, method="GET")
-        parents[topic] = await split_with_subscription(chaos, topic)
-    parents[backlog] = await split_with_subscription(chaos, backlog)
+        parents[topic] = await chaos.split_with_subscription(topic)
+    parents[backlog] = await chaos.split_with_subscription(backlog)
     chaos.broker.backlogs[(backlog, parents[backlog], "s")] = 5
-    parents[kept] = await split_with_subscription(chaos, kept, retention=3_600)
+    parents[kept] = await chaos.split_with_subscription(kept, retention=3_600)
 
     async def collected_and_asked() -> bool:  # GC works, and asked about every candidate
         chaos.assert_alive()
@@ -126,7 +112,7 @@ async def test_a_leader_killed_between_prune_and_delete_leaves_a_marker_the_next
     chaos: Chaos,
 ) -> None:
     topic = TopicName("acme", "gc", "crash")
-    descriptor = await split_with_subscription(chaos, topic)
+    descriptor = await chaos.split_with_subscription(topic)
     leader = await chaos.leader()
     fault = chaos.http.hang(f"{SEGMENTS}acme/gc/crash/{descriptor}", method="DELETE")
     marker = chaos.keys.pending_delete(topic, descriptor)

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import parse_qsl
@@ -38,6 +38,9 @@ from starlette.types import Receive, Scope, Send
 HANG_LIMIT_SECONDS = 60.0
 
 Action = Literal["status", "hang"]
+Gate = Callable[[str, str, dict[str, str]], Awaitable[tuple[int, str] | None]]
+"""``gate(method, path, headers)``: a ``(status, code)`` to answer instead of forwarding,
+or None to forward; consulted after the rules (e.g. fencing against etcd's leader key)."""
 
 
 @dataclass
@@ -84,6 +87,7 @@ class FaultyHttp:
     url: str = ""
     #: Requests currently held open by a ``hang`` rule.
     holding: int = 0
+    gate: Gate | None = None
 
     def fail(
         self, fragment: str, status: int, *, method: str | None = None, times: int | None = None
@@ -165,6 +169,13 @@ class _App:
             record(fault.status, True)
             body = orjson.dumps({"reason": f"injected HTTP {fault.status}", "code": fault.code})
             await _respond(send, fault.status, body, [(b"content-type", b"application/json")])
+            return
+        refusal = None if state.gate is None else await state.gate(method, path, headers)
+        if refusal is not None:
+            status, code = refusal
+            record(status, True)
+            body = orjson.dumps({"reason": f"refused by the gate: {code}", "code": code})
+            await _respond(send, status, body, [(b"content-type", b"application/json")])
             return
         body = await _read_body(receive)
         forwarded = {k: v for k, v in headers.items() if k not in ("host", "content-length")}
