@@ -79,11 +79,15 @@ async def storm_then_heal(chaos: Chaos, topics: Sequence[TopicName]) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(keep_hot, chaos, topics, STORM_SECONDS)
 
+        async def retried() -> bool:  # every topic failed and was evaluated again
+            chaos.assert_alive()
+            return all(len(operations([s.at for s in split_posts(chaos, t)])) >= 2 for t in topics)
+
         async def idle() -> bool:  # between two attempts nothing is held in flight
             chaos.assert_alive()
             return not await chaos.in_flight()
 
-        await anyio.sleep(2.0)
+        await wait_until(retried, within=STORM_SECONDS)
         await wait_until(idle, within=STORM_SECONDS)
     for topic in topics:
         assert not await chaos.cooldown_written(topic), f"{topic}: cooldown burned by a failure"

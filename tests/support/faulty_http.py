@@ -12,9 +12,11 @@ Everything that arrives is recorded in :attr:`FaultyHttp.seen` with its
 arrival time (``time.monotonic()``), the fencing headers and what it was
 answered, so tests can check backoff schedules and count unsafe calls.
 
-It is an ASGI app served by uvicorn in the test's event loop, the same way
-as the test broker; forwarding uses httpx. Hand-written only in the matching
-of rules, which no proxy library offers per request and per path.
+It is an ASGI app served by uvicorn on an event loop in a thread of its
+own, so arrival times are taken when a request arrives, not when a busy
+test loop gets round to it (the schedule checks compare gaps of a fraction
+of a second); forwarding uses httpx. Hand-written only in the matching of
+rules, which no proxy library offers per request and per path.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import parse_qsl
 
 import anyio
+import anyio.to_thread
 import httpx
 import orjson
 import uvicorn
@@ -38,9 +42,10 @@ from starlette.types import Receive, Scope, Send
 HANG_LIMIT_SECONDS = 60.0
 
 Action = Literal["status", "hang"]
-Gate = Callable[[str, str, dict[str, str]], Awaitable[tuple[int, str] | None]]
+Gate = Callable[[str, str, dict[str, str]], Coroutine[Any, Any, tuple[int, str] | None]]
 """``gate(method, path, headers)``: a ``(status, code)`` to answer instead of forwarding,
-or None to forward; consulted after the rules (e.g. fencing against etcd's leader key)."""
+or None to forward; consulted after the rules (e.g. fencing against etcd's leader key).
+It runs on the event loop that served the server, so it may use that loop's clients."""
 
 
 @dataclass
@@ -88,27 +93,31 @@ class FaultyHttp:
     #: Requests currently held open by a ``hang`` rule.
     holding: int = 0
     gate: Gate | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def fail(
         self, fragment: str, status: int, *, method: str | None = None, times: int | None = None
     ) -> Fault:
         """Answer matching requests with ``status`` (a storm until :meth:`heal`)."""
         fault = Fault(fragment, "status", status, method, times)
-        self.faults.append(fault)
+        with self._lock:
+            self.faults.append(fault)
         return fault
 
     def hang(self, fragment: str, *, method: str | None = None, times: int | None = None) -> Fault:
         """Accept matching requests and never answer them."""
         fault = Fault(fragment, "hang", 0, method, times)
-        self.faults.append(fault)
+        with self._lock:
+            self.faults.append(fault)
         return fault
 
     def heal(self, fault: Fault | None = None) -> None:
         """Remove one rule, or all of them: the broker answers for itself again."""
-        if fault is None:
-            self.faults.clear()
-        elif fault in self.faults:
-            self.faults.remove(fault)
+        with self._lock:
+            if fault is None:
+                self.faults.clear()
+            elif fault in self.faults:
+                self.faults.remove(fault)
 
     def requests(
         self, fragment: str, *, method: str | None = None, since: float = 0.0
@@ -116,15 +125,16 @@ class FaultyHttp:
         """Recorded requests whose path contains ``fragment``, in arrival order."""
         return [
             s
-            for s in self.seen
+            for s in list(self.seen)
             if fragment in s.path and (method is None or s.method == method) and s.at >= since
         ]
 
     def _rule_for(self, method: str, path: str) -> Fault | None:
-        for fault in self.faults:
-            if fault.matches(method, path):
-                fault.hits += 1
-                return fault
+        with self._lock:
+            for fault in self.faults:
+                if fault.matches(method, path):
+                    fault.hits += 1
+                    return fault
         return None
 
 
@@ -139,9 +149,11 @@ def _token(headers: dict[str, str]) -> int | None:
 class _App:
     """The ASGI app: match, then inject, hold, or forward."""
 
-    def __init__(self, state: FaultyHttp, client: httpx.AsyncClient) -> None:
+    def __init__(self, state: FaultyHttp, upstream: str, owner: asyncio.AbstractEventLoop) -> None:
         self.state = state
-        self.client = client
+        self.upstream = upstream
+        self.owner = owner
+        self.client: httpx.AsyncClient | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -170,7 +182,10 @@ class _App:
             body = orjson.dumps({"reason": f"injected HTTP {fault.status}", "code": fault.code})
             await _respond(send, fault.status, body, [(b"content-type", b"application/json")])
             return
-        refusal = None if state.gate is None else await state.gate(method, path, headers)
+        refusal = None
+        if state.gate is not None:
+            call = state.gate(method, path, headers)
+            refusal = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self.owner))
         if refusal is not None:
             status, code = refusal
             record(status, True)
@@ -179,6 +194,8 @@ class _App:
             return
         body = await _read_body(receive)
         forwarded = {k: v for k, v in headers.items() if k not in ("host", "content-length")}
+        if self.client is None:  # made on the server's own loop, at its first use
+            self.client = httpx.AsyncClient(base_url=self.upstream, timeout=30.0)
         try:
             response = await self.client.request(
                 method,
@@ -231,7 +248,7 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             pass
 
 
-class _InLoopServer(uvicorn.Server):
+class _ThreadServer(uvicorn.Server):
     """A uvicorn server that leaves the process's signal handlers alone."""
 
     @contextlib.contextmanager
@@ -239,11 +256,22 @@ class _InLoopServer(uvicorn.Server):
         yield
 
 
+def _serve(server: _ThreadServer, sock: socket.socket, app: _App) -> None:
+    async def run() -> None:
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if app.client is not None:
+                await app.client.aclose()
+
+    asyncio.run(run())
+
+
 @contextlib.asynccontextmanager
 async def serve_faulty_http(upstream: str) -> AsyncIterator[FaultyHttp]:
     """Serve a :class:`FaultyHttp` in front of ``upstream`` on a free loopback port.
 
-    The socket listens before the server task starts, so ``url`` is usable at once.
+    The socket listens before the server thread starts, so ``url`` is usable at once.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -251,21 +279,20 @@ async def serve_faulty_http(upstream: str) -> AsyncIterator[FaultyHttp]:
     sock.listen(128)
     sock.setblocking(False)
     state = FaultyHttp(upstream, url=f"http://127.0.0.1:{sock.getsockname()[1]}")
-    async with httpx.AsyncClient(base_url=upstream, timeout=30.0) as client:
-        config = uvicorn.Config(
-            _App(state, client),
-            log_level="warning",
-            lifespan="off",
-            http="h11",
-            timeout_graceful_shutdown=1,
-        )
-        server = _InLoopServer(config)
-        task = asyncio.create_task(server.serve(sockets=[sock]), name="faulty-http")
-        try:
-            yield state
-        finally:
-            state.heal()
-            server.should_exit = True
-            with anyio.CancelScope(shield=True):
-                await task
-            sock.close()
+    app = _App(state, upstream, asyncio.get_running_loop())
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="off", http="h11", timeout_graceful_shutdown=1
+    )
+    server = _ThreadServer(config)
+    thread = threading.Thread(
+        target=_serve, args=(server, sock, app), name="faulty-http", daemon=True
+    )
+    thread.start()
+    try:
+        yield state
+    finally:
+        state.heal()
+        server.should_exit = True
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(thread.join, 10.0)
+        sock.close()

@@ -52,8 +52,6 @@ class _Link:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.transport.abort()
-        for task in self.tasks:
-            task.cancel()
 
 
 class TcpProxy:
@@ -98,16 +96,17 @@ class TcpProxy:
             await self.start()
 
     async def close(self) -> None:
+        """Stop listening, reset every connection, and wait for their handlers to end."""
         if self._server is not None:
             self._server.close()
             self._server = None
         for link in list(self._links):
             link.reset()
         self._links.clear()
+        self._flowing.set()  # held handlers see their link gone and return
         handlers = list(self._handlers)
-        for task in handlers:
-            task.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
+        if handlers:
+            await asyncio.wait(handlers, timeout=5.0)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -131,10 +130,6 @@ class TcpProxy:
                 asyncio.create_task(self._pump(up_reader, writer)),
             ]
             await asyncio.gather(*link.tasks, return_exceptions=True)
-        except asyncio.CancelledError:
-            # Only close() cancels a handler; asyncio's stream server would log a
-            # handler task that ends cancelled as an error.
-            pass
         finally:
             self._handlers.discard(task)
             self._links.discard(link)
