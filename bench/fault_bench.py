@@ -17,7 +17,7 @@ goes, then the table for the README:
   and the time from etcd's return to the first action (the first write after
   its return is a hot load record; the time runs to its split request);
 * broker storms (503, 500, a socket that never answers, 409, 412) survived,
-  guard leaks, burned cooldowns and retries faster than the schedule;
+  guard leaks, burned cooldowns and requests beyond the retry schedule;
 * GC with backlog > 0, unknown backlog (500, 404, no answer) and retention:
   unsafe deletions, and crashes between prune and delete finished by the
   next leader.
@@ -398,9 +398,17 @@ STORM_CONFIG = f"[autoscale]\ninterval_seconds = {STORM_INTERVAL}\nconsumer_sett
 STORM_KINDS = ("503", "500", "hang", "409", "412")
 
 
+def _beyond_schedule(ops: list[list[float]], schedule: backoff.Backoff) -> int:
+    """Requests the schedules did not allow: past the broker client's one retry in an
+    operation, or a whole operation started before the topic's backoff floor."""
+    excess = sum(max(0, len(op) - 2) for op in ops)
+    early = [v for v in schedule_violations(ops, schedule, 1, 1.0) if "floor" in v]
+    return excess + len(early)
+
+
 async def storms(args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: Path) -> list[Row]:
     schedule = backoff.TOPIC_RETRY.capped_at(STORM_INTERVAL)
-    survived = leaks = burned = violations = 0
+    survived = leaks = burned = sent = beyond = 0
     async with open_chaos(
         store, etcd.endpoint, "/bench/storms/", tmp, count=2, extra=STORM_CONFIG
     ) as chaos:
@@ -431,8 +439,9 @@ async def storms(args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: 
                     for s in chaos.http.requests(topic_path(topic) + "/split/", method="POST")
                     if s.injected
                 ]
-                if kind != "hang":
-                    violations += len(schedule_violations(operations(posts), schedule, 1, 1.0))
+                sent += len(posts)
+                if kind != "hang":  # each attempt of a hung request waits out the timeout
+                    beyond += _beyond_schedule(operations(posts), schedule)
 
                 async def split(topic: TopicName = topic) -> bool:
                     return chaos.active(topic) == 3 and await chaos.cooldown_written(topic)
@@ -445,16 +454,16 @@ async def storms(args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: 
         exits = sum(1 for r in chaos.replicas if not r.alive())
     print(
         f"broker storms: {survived} of {args.storms} recovered ({', '.join(STORM_KINDS)}); "
-        f"guard leaks {leaks}; burned cooldowns {burned}; retries faster than the schedule "
-        f"{violations}; exits {exits}"
+        f"guard leaks {leaks}; burned cooldowns {burned}; split requests sent into the storms "
+        f"{sent}, of which beyond the retry schedule {beyond}; exits {exits}"
     )
     return [
         Row(
             "broker storms (503, 500, no answer, 409, 412; hot load records meanwhile) "
             "survived / guard leaks / burned cooldowns",
             "all / 0 / 0",
-            f"{survived} of {args.storms} / {leaks} / {burned} ({violations} retries "
-            "faster than the schedule)",
+            f"{survived} of {args.storms} / {leaks} / {burned} ({beyond} of {sent} split "
+            "requests beyond the retry schedule)",
         )
     ]
 
