@@ -395,3 +395,82 @@ async def test_every_operation_is_audited_with_inputs_token_and_outcome(
         assert record["fencing_token"] == h.leadership.token
         assert record["outcome"] == "ok" and record["topic"] == str(TOPIC)
         assert record["inputs"]["loads"]["0"]["msg_rate_in"] == HOT
+
+
+async def test_a_new_leader_comes_back_when_an_inherited_cooldown_ends(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """#10 item 7: a cooldown stamped by the previous leader holds a split back, and the
+    new leader evaluates again when it ends, with no tick and no new record."""
+    async with open_store([etcd_server.endpoint]) as store:
+        async with open_harness(etcd_server.endpoint, etcd_prefix, store=store) as h1:
+            await h1.add_topic(segments=1)
+            await h1.put_load(0, HOT)
+            await eventually(lambda: active_count(h1) == 3)
+            await eventually(lambda: not h1.controller.status()["in_flight"])
+            split_at = h1.clock.now_ms()
+            layout = h1.layout()
+        async with open_harness(
+            etcd_server.endpoint, etcd_prefix, store=store, replica="test-2", interval=1e9
+        ) as h2:
+            h2.broker_state.topics[TOPIC] = layout
+            h2.clock._start_ms = split_at + 10_000  # 10 s into the old leader's cooldown
+            await h2.put_load(1, HOT)
+            await eventually(
+                lambda: (
+                    h2.count("controllerd_decisions_total", action="none", reason="split-cooldown")
+                    == 1
+                )
+            )
+            await h2.clock.advance(49.0)
+            assert h2.requests("/split/") == 0
+            await h2.clock.advance(1.1)  # the inherited cooldown ends: one follow-up
+            await eventually(lambda: h2.requests("/split/") == 1)
+            assert (
+                h2.count("controllerd_decisions_total", action="none", reason="split-cooldown") == 1
+            )
+
+
+async def test_on_pulsar_our_gc_is_off_by_default_and_reads_pulsars_retention(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """#11: Pulsar's own GC runs whatever we do, so ours is off unless asked for; when
+    asked for, retention comes from Pulsar's namespace policy, not from our keys."""
+    retention = "[gc]\ndefault_retention_seconds = 0\ninterval_seconds = 1e9\n"
+    async with open_harness(
+        etcd_server.endpoint, etcd_prefix, extra_config=retention, profile="pulsar"
+    ) as h:
+        await h.add_topic(segments=1)
+        await h.add_subscription("s")
+        await h.put_load(0, 15_000.0)  # 1.5x: one midpoint split
+        await eventually(lambda: (h.view_layout() or h.layout()).epoch == 1)
+        await eventually(lambda: not h.controller.status()["in_flight"])
+        await h.clock.advance(3600.0)
+        await h.controller.gc_round()
+        assert 0 in h.layout().segments and h.requests("/backlog") == 0  # off by default
+        h.set_config(make_config(etcd_prefix, retention + "enabled = true\n", profile="pulsar"))
+        policies = f"{h.keys.pulsar_policies_prefix}acme/ns"
+        await h.store.put(policies, b'{"retention_policies": {"retentionTimeInMinutes": 120}}')
+        await eventually(lambda: h.controller.view.pulsar_namespace(TOPIC) is not None)
+        await h.controller.gc_round()  # 1 h old, 2 h of retention: kept
+        assert h.broker_state.deleted_segments == set()
+        stored = layout_from_json(await stored_json(h.store, h.keys.layout(TOPIC)))
+        assert 0 in stored.segments
+        await h.clock.advance(3600.0 + 1)
+        await h.controller.gc_round()
+        stored = layout_from_json(await stored_json(h.store, h.keys.layout(TOPIC)))
+        assert 0 not in stored.segments
+
+
+async def test_cold_since_of_a_record_without_time_stamps_is_persisted(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Pulsar's load records carry no time: a successor could not re-derive when the
+    segment became cold (it would restart the merge window at its own first sight)."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        await h.add_topic(segments=2)
+        start = h.clock.now_ms()
+        record = b'{"msgRateIn": 5.0, "bytesRateIn": 1.0, "msgRateOut": 0.0, "bytesRateOut": 0.0}'
+        await h.store.put(h.keys.load(TOPIC, 0), record)
+        kv = await _eventually_stored(h.store, h.keys.cold_since(TOPIC, 0))
+        assert int(kv) == start

@@ -204,3 +204,38 @@ async def test_sighup_reloads_a_valid_config_and_keeps_the_old_on_an_invalid_one
 
     await wait_until(split, within=10)
     assert len(cluster.broker.topics[TOPIC].active_segments()) == 3
+
+
+async def test_an_empty_config_on_sighup_is_refused_and_the_old_one_kept(
+    cluster: Cluster,
+) -> None:
+    """#10 item 6: an empty file used to reset every reloadable setting to its default."""
+    leader = await cluster.leader()
+    original = leader.config.read_text(encoding="utf-8")
+    leader.config.write_text(
+        original + "\n[policy.split_thresholds]\nmsg_rate_in = 2000\n", encoding="utf-8"
+    )
+    leader.signal(signal.SIGHUP)
+
+    async def reloaded() -> bool:
+        return (await leader.metric("controllerd_config_reloads_total", outcome="ok")) == 1
+
+    await wait_until(reloaded)
+    leader.config.write_text("# truncated by a failed deploy\n", encoding="utf-8")
+    leader.signal(signal.SIGHUP)
+
+    async def rejected() -> bool:
+        return (await leader.metric("controllerd_config_reloads_total", outcome="invalid")) == 1
+
+    await wait_until(rejected)
+    events = [e for e in leader.log_events() if e.get("event") == "config.reload.rejected"]
+    assert "empty" in events[-1]["errors"][0]
+    # The 2000 msg/s threshold of the last good config still applies (the default is 10000).
+    await cluster.add_topic(segments=1)
+    await cluster.put_load(0, 5_000.0)
+
+    async def split() -> bool:
+        return cluster.splits() == 1
+
+    await wait_until(split, within=10)
+    assert leader.alive()

@@ -11,7 +11,7 @@ Pulsar's 500), and every topic still managed.
 from __future__ import annotations
 
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +20,12 @@ import pytest
 
 from controllerd.adapters.store import Store
 from controllerd.core.model import TopicName
-from tests.support.daemon import Replica, replicas, wait_until
+from tests.support.daemon import DEFAULT_PREFIX, Replica, replicas, wait_until
 from tests.support.etcd import EtcdServer
 from tests.support.pulsar import PulsarModel
 
 SUPERUSER, TENANT_ADMIN = "pulsar-superuser", "acme-admin"
+ROOT = "keys at the etcd root, default config"
 T1 = TopicName("acme", "ns", "orders")
 T2 = TopicName("acme", "ns", "payments")
 POLICY = """
@@ -85,10 +86,12 @@ async def pulsar(
     tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> AsyncIterator[PulsarCluster]:
-    token = getattr(request, "param", SUPERUSER)
+    param = getattr(request, "param", SUPERUSER)
+    token = SUPERUSER if param == ROOT else param
+    model_prefix = "" if param == ROOT else f"{etcd_prefix}root"
     model = PulsarModel(
         store,
-        prefix=f"{etcd_prefix}root",
+        prefix=model_prefix,
         superuser_tokens=[SUPERUSER],
         tenant_admin_tokens={TENANT_ADMIN: ["acme"]},
         gc_interval_seconds=0.5,  # Pulsar's own GC, retention 0: it never stops
@@ -104,7 +107,7 @@ async def pulsar(
             prefix=etcd_prefix,
             broker_url=url,
             profile="pulsar",
-            metadata_prefix=f"{etcd_prefix}root",
+            metadata_prefix=DEFAULT_PREFIX if param == ROOT else model_prefix,
             token_file=token_file,
             extra=POLICY,
         ) as running,
@@ -186,6 +189,9 @@ async def test_a_lost_split_answer_is_never_split_twice(pulsar: PulsarCluster) -
     await wait_until(two, within=20)
     await anyio.sleep(3)  # retries, if any, would come now (backoff is below a second)
     assert pulsar.ops("split") == [(T1, (0,))]
+    # the reconciled split counted as done: the cooldown was stamped
+    leader = await pulsar.leader()
+    assert await leader.metric("controllerd_operations_total", op="split", outcome="ok") == 1
     pulsar.assert_no_double_operations()
 
 
@@ -283,3 +289,126 @@ async def test_a_tenant_admin_token_is_an_operator_error(pulsar: PulsarCluster) 
     assert (await leader.metric("controllerd_operator_errors_total", kind="broker-auth") or 0) >= 1
     assert await _active(model, T1) == 1
     assert all(r.alive() for r in pulsar.replicas)
+
+
+@pytest.mark.parametrize("pulsar", [ROOT], indirect=True)
+async def test_the_default_config_finds_pulsars_topics_at_the_etcd_root(
+    pulsar: PulsarCluster, etcd_prefix: str
+) -> None:
+    """Pulsar's etcd store writes /topics/... at the root; the default prefix is the root.
+    A replica whose prefix holds no topic says so loudly at start."""
+    leader = await pulsar.leader()
+    empty = [e for e in leader.log_events() if e.get("event") == "metadata.prefix_empty"]
+    assert empty and empty[0]["prefix"] == "/topics/"
+    # a tenant of this test only: other tests' keys may sit at the root too
+    topic = TopicName("root" + etcd_prefix.strip("/").split("-")[0].replace("/", ""), "ns", "x")
+    await pulsar.model.create_topic(topic)
+    await pulsar.model.report_load(topic, 0, msg_rate_in=5_000.0)
+
+    async def split() -> bool:
+        return await _active(pulsar.model, topic) >= 2
+
+    await wait_until(split, within=20)
+    await pulsar.model.delete_topic(topic)
+    pulsar.assert_no_double_operations()
+
+
+async def test_our_knobs_live_under_our_own_key(pulsar: PulsarCluster, store: Store) -> None:
+    """Pulsar erases unknown autoScalePolicy fields on its next write; ours are read
+    from <controller root>/policies/<tenant>/<ns>/<topic>."""
+    model = pulsar.model
+    leader = await pulsar.leader()
+    root = pulsar.replicas[0].config.read_text().split('controller_prefix = "')[1].split('"')[0]
+    await store.put(f"{root}/default/policies/acme/ns/orders", b'{"maxSegments": 2}')
+    await model.create_topic(T1)
+    await model.report_load(T1, 0, msg_rate_in=8_000.0)  # 8x: an 8-way split, capped at 2
+
+    async def capped() -> bool:
+        value = await leader.metric(
+            "controllerd_decisions_total", action="none", reason="max-segments"
+        )
+        return (value or 0) >= 1 or await _active(model, T1) > 2
+
+    await _report_until(model, T1, capped, msg_rate_in=8_000.0)
+    assert await _active(model, T1) == 2
+
+
+async def test_enabled_false_in_pulsars_namespace_policy_stops_controllerd(
+    pulsar: PulsarCluster,
+) -> None:
+    model = pulsar.model
+    leader = await pulsar.leader()
+    await model.set_namespace_auto_scale_policy("acme", "ns", {"enabled": False})
+    await model.create_topic(T1)
+    await model.report_load(T1, 0, msg_rate_in=5_000.0)
+
+    async def disabled() -> bool:
+        value = await leader.metric("controllerd_decisions_total", action="none", reason="disabled")
+        return (value or 0) >= 1
+
+    await wait_until(disabled, within=15)
+    assert pulsar.ops("split") == []
+    await model.set_namespace_auto_scale_policy("acme", "ns", None)  # and back on
+
+    async def split() -> bool:
+        return await _active(model, T1) == 2
+
+    await wait_until(split, within=20)
+
+
+async def test_writes_follow_a_307_to_the_controller_leader_broker(
+    pulsar: PulsarCluster, store: Store
+) -> None:
+    """A broker that is not the topic's controller leader redirects writes (REST:864-904)."""
+    first = pulsar.model
+    leader_broker = PulsarModel(store, prefix=first.keys.prefix, superuser_tokens=[SUPERUSER])
+    async with leader_broker.serve() as url:
+        first.redirect_to = url
+        await pulsar.leader()
+        await first.create_topic(T1)
+        await first.report_load(T1, 0, msg_rate_in=1_500.0)
+
+        async def split_by_the_leader_broker() -> bool:
+            return any(o.kind == "split" for o in leader_broker.operations)
+
+        await wait_until(split_by_the_leader_broker, within=20)
+        assert any(r.status == 307 for r in first.requests)
+        assert await _active(first, T1) == 2
+    await leader_broker.aclose()
+
+
+async def test_a_name_pulsar_cannot_address_is_reported_once(pulsar: PulsarCluster) -> None:
+    """Pulsar decodes the topic path only on create: 'orders eu' can never be split
+    through REST. It is said once and never retried; the other topics go on."""
+    model = pulsar.model
+    leader = await pulsar.leader()
+    odd = TopicName("acme", "ns", "orders eu")
+    colon = TopicName("acme", "ns", "orders:eu")  # stored as orders%3Aeu, split as orders:eu
+    for topic in (odd, colon, T2):
+        await model.create_topic(topic)
+        await model.report_load(topic, 0, msg_rate_in=5_000.0)
+
+    async def t2_split() -> bool:
+        return await _active(model, T2) >= 2 and await _active(model, colon) >= 2
+
+    await wait_until(t2_split, within=20)
+    await anyio.sleep(2.5)  # a tick or two: nothing more is tried
+    said = [e for e in leader.log_events() if e.get("event") == "topic.unaddressable"]
+    assert len(said) == 1 and said[0]["topic"] == "acme/ns/orders eu"
+    assert not any("orders eu" in r.path or "orders%20eu" in r.path for r in model.requests)
+
+
+async def _report_until(
+    model: PulsarModel,
+    topic: TopicName,
+    done: Callable[[], Awaitable[bool]],
+    *,
+    msg_rate_in: float,
+) -> None:
+    """Keep reporting every active segment's load (as Pulsar's reporter does) until done."""
+
+    async def check() -> bool:
+        await _report_all(model, topic, msg_rate_in=msg_rate_in)
+        return await done()
+
+    await wait_until(check, within=20)

@@ -78,6 +78,7 @@ __all__ = [
     "RequestHook",
     "SubscriptionType",
     "TopicName",
+    "Unaddressable",
     "Unauthorized",
     "as_profile",
 ]
@@ -193,6 +194,13 @@ class Unauthorized(BrokerBug):
     """
 
     outcome = "unauthorized"
+
+
+class Unaddressable(BrokerBug):
+    """The topic's name cannot be carried by this broker's REST paths (Pulsar decodes
+    the topic path only on create: a name that needs escaping can never be split)."""
+
+    outcome = "unaddressable"
 
 
 class BrokerUnavailable(BrokerError):
@@ -322,7 +330,7 @@ class BrokerClient:
         try:
             return rest_path_topic(topic.topic)
         except ModelError as exc:
-            raise BrokerBug(str(exc), method="-", url=f"{_SCALABLE}/{topic}") from None
+            raise Unaddressable(str(exc), method="-", url=f"{_SCALABLE}/{topic}") from None
 
     def _topic_path(self, topic: TopicName) -> str:
         return _topic_path(topic, self._local_name(topic))

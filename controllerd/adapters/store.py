@@ -159,6 +159,7 @@ class WatchEvent(NamedTuple):
     value: bytes
     create_revision: int
     mod_revision: int
+    lease: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +249,7 @@ def _event(pb: Any) -> WatchEvent:
         kv.value,
         kv.create_revision,
         kv.mod_revision,
+        kv.lease,
     )
 
 

@@ -46,7 +46,14 @@ import structlog
 
 from controllerd.adapters import backoff
 from controllerd.adapters.audit import AuditSink
-from controllerd.adapters.broker import BrokerClient, BrokerError, Fenced, Known, Unauthorized
+from controllerd.adapters.broker import (
+    BrokerClient,
+    BrokerError,
+    Fenced,
+    Known,
+    Unaddressable,
+    Unauthorized,
+)
 from controllerd.adapters.election import Leadership
 from controllerd.adapters.store import Compare, Delete, Put, Store, StoreError
 from controllerd.config import Config
@@ -55,6 +62,7 @@ from controllerd.core.layout import prune
 from controllerd.core.model import (
     Decision,
     HashRange,
+    Layout,
     LoadSample,
     Merge,
     ModelError,
@@ -166,6 +174,10 @@ class Controller:
         self.history = history if history is not None else collections.deque(maxlen=100)
         self._keys = view.keys
         self._scopes: dict[Scope, Leadership] = {}
+        self._scope_cache: dict[TopicName, int] = {}
+        self._by_shard: dict[int, set[TopicName]] = {}
+        self._granted: set[Scope] = set()  # scopes whose topics still need a first evaluation
+        self._scan = anyio.Event()
         # the work queue
         self._urgent: collections.deque[TopicName] = collections.deque()
         self._background: collections.deque[TopicName] = collections.deque()
@@ -182,6 +194,7 @@ class Controller:
         # per-topic memory
         self._awaiting: dict[TopicName, tuple[int, float]] = {}
         self._attempts: dict[TopicName, _Attempt] = {}
+        self._unaddressable: set[TopicName] = set()
         self._policies: dict[TopicName, tuple[object, PolicySettings | PolicyInvalid]] = {}
         self._config_generation = 0
         self._config_seen: Config | None = None
@@ -194,7 +207,12 @@ class Controller:
     # -- scopes ---------------------------------------------------------------------------
 
     def scope_of(self, topic: TopicName) -> Scope:
-        return None if self._shards is None else shard_of(topic, self._shards)
+        if self._shards is None:
+            return None
+        shard = self._scope_cache.get(topic)
+        if shard is None:
+            shard = self._scope_cache[topic] = shard_of(topic, self._shards)
+        return shard
 
     def leadership_for(self, topic: TopicName) -> Leadership | None:
         """The leadership to act on ``topic`` with, only while it is valid."""
@@ -209,22 +227,36 @@ class Controller:
         return self._scopes
 
     def grant(self, scope: Scope, leadership: Leadership) -> None:
-        """We now lead ``scope``: evaluate every topic in it (in the background)."""
+        """We now lead ``scope``: evaluate every topic in it (in the background).
+
+        Grants arriving together (a replica claiming 128 shards) share one pass
+        over the topics, made by the ``scanner`` in slices.
+        """
         self._scopes[scope] = leadership
-        if self._running:
-            self._enqueue_all(scope)
+        self._granted.add(scope)
+        self._scan.set()
+        self._metrics.shards_owned.set(sum(1 for s in self._scopes if s is not None))
 
     def revoke(self, scope: Scope) -> None:
         """We no longer lead ``scope``: stop every evaluation in it at once."""
         self._scopes.pop(scope, None)
+        self._granted.discard(scope)
+        self._metrics.shards_owned.set(sum(1 for s in self._scopes if s is not None))
         for topic, cancel in list(self._in_flight.items()):
             if scope is None or self.scope_of(topic) == scope:
                 cancel.cancel()
 
-    def _enqueue_all(self, scope: Scope) -> None:
-        for topic in self.view.topics:
-            if scope is None or self.scope_of(topic) == scope:
-                self.trigger(topic, urgent=False)
+    async def _scanner(self) -> None:
+        """Queue every topic of newly granted scopes, one sliced pass per batch of grants."""
+        while True:
+            await self._scan.wait()
+            self._scan = anyio.Event()
+            granted, self._granted = self._granted, set()
+            for i, topic in enumerate(self._topics_in(granted)):
+                if self.leads(topic):
+                    self.trigger(topic, urgent=False)
+                if i % SLICE == SLICE - 1:
+                    await anyio.lowlevel.checkpoint()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -239,8 +271,7 @@ class Controller:
                 tg.start_soon(self._ticker, name="ticker")
                 tg.start_soon(self._gc_ticker, name="gc")
                 tg.start_soon(self._writer, name="state-writer")
-                for scope in list(self._scopes):
-                    self._enqueue_all(scope)
+                tg.start_soon(self._scanner, name="scanner")
                 self.ready.set()
         finally:
             self._running = False
@@ -264,14 +295,19 @@ class Controller:
         if outcome.kind == "layout" and outcome.topic is not None:
             self._layout_arrived(outcome.topic)
             self._policies.pop(outcome.topic, None)
+            self._index(outcome.topic)
+            if outcome.topic not in self.view.topics:  # deleted: forget what we kept
+                for memory in (self._scope_cache, self._attempts, self._awaiting):
+                    memory.pop(outcome.topic, None)
+                self._unaddressable.discard(outcome.topic)
             self._metrics.topics.set(len(self.view.topics))
         if outcome.kind == "policy":
             self._policies.clear()
         if not outcome.trigger or not self._running:
             return
         if outcome.topic is None:
-            for scope in list(self._scopes):
-                self._enqueue_all(scope)
+            self._granted.update(self._scopes)  # an override changed: every led topic again
+            self._scan.set()
         elif not self.leads(outcome.topic):
             return
         elif outcome.kind == "consumer":
@@ -306,7 +342,23 @@ class Controller:
         if cold != (held is not None or persisted is not None):
             return True  # a cold/warm transition
         # cold all along, but the record changed: the window must now be persisted
-        return cold and persisted is None and held is not None and held < sample.changed_at_ms
+        return (
+            cold
+            and persisted is None
+            and held is not None
+            and (held < sample.changed_at_ms or sample.sampled_at_ms is None)
+        )
+
+    def _index(self, topic: TopicName) -> None:
+        """Keep the per-shard topic index (sharded mode) in step with the view."""
+        if self._shards is None:
+            return
+        shard = self.scope_of(topic)
+        assert shard is not None
+        if topic in self.view.topics:
+            self._by_shard.setdefault(shard, set()).add(topic)
+        else:
+            self._by_shard.get(shard, set()).discard(topic)
 
     def _settle(self, topic: TopicName) -> None:
         """Evaluate after ``consumer_settle_seconds`` so a burst of registrations is one."""
@@ -424,7 +476,7 @@ class Controller:
         while True:
             await self._clock.sleep(self._config().autoscale.interval_seconds)
             led = pulsar_owned = 0
-            for i, topic in enumerate(list(self.view.topics)):
+            for i, topic in enumerate(self._topics_in(self._scopes)):
                 if self.leads(topic):
                     led += 1
                     self.trigger(topic, urgent=False)
@@ -496,6 +548,8 @@ class Controller:
         leadership = self.leadership_for(topic)
         if state is None or state.layout is None or leadership is None:
             return None
+        if topic in self._unaddressable:
+            return None  # its name cannot reach the broker: logged once, never retried
         awaited = self._awaiting.get(topic)
         if awaited is not None:
             if self._clock.monotonic() < awaited[1]:
@@ -513,7 +567,7 @@ class Controller:
             else sample
             for sid, sample in samples.items()
         }
-        layout = state.layout
+        layout, revision = state.layout, state.layout_revision
         cooldown = state.effective_cooldown()
         decision: Decision
         if isinstance(policy, PolicyInvalid) and policy.detail == PULSAR_OWNS:
@@ -543,7 +597,9 @@ class Controller:
                 self._hold_back(topic, decision, cooldown, policy, now)
             return decision
         log.info("decision", **fields)
-        outcome = await self._act(topic, state, leadership, layout.epoch, decision, policy, now)
+        outcome = await self._act(
+            topic, state, leadership, (layout, revision), decision, policy, now
+        )
         self._record(topic, decision, outcome, now, state, leadership)
         return decision
 
@@ -587,9 +643,11 @@ class Controller:
         a new leader could not derive it.
 
         A new leader derives cold-since from the record's ``changedAtMs`` (or a
-        merge child's parents). Only when a cold segment's record is rewritten
-        while it stays cold (noisy low traffic), or a merge child inherits its
-        parents' window, does the value need etcd; writing it at every
+        merge child's parents) when the record carries its own time stamps.
+        Only when a cold segment's record is rewritten while it stays cold
+        (noisy low traffic), a merge child inherits its parents' window, or the
+        record has no time stamps (Pulsar's: its "changed at" is when this
+        replica first saw it) does the value need etcd; writing it at every
         transition would cost 1.6M writes at start on 100,000 cold topics.
         """
         layout = state.layout
@@ -609,7 +667,12 @@ class Controller:
                     since = inherited if inherited is not None else min(sample.changed_at_ms, now)
                     log.info("segment.cold", topic=str(state.name), segment=sid, since_ms=since)
                 table.set_cold(sid, since)
-                if persisted is None and since < min(sample.changed_at_ms, now):
+                # Derivable by a successor only from a record that carries its own time
+                # stamps; Pulsar's carry none (changed_at is when *we* first saw it).
+                derivable = sample.sampled_at_ms is not None and since >= min(
+                    sample.changed_at_ms, now
+                )
+                if persisted is None and not derivable:
                     self._write(self._keys.cold_since(state.name, sid), str(since).encode(), state)
                     state.cold_since[sid] = since
             else:
@@ -627,17 +690,34 @@ class Controller:
         topic: TopicName,
         state: TopicState,
         leadership: Leadership,
-        decided_epoch: int,
+        decided: tuple[Layout, int],
         decision: Split | Merge,
         policy: PolicySettings | PolicyInvalid,
         now: int,
     ) -> str:
         op = decision.action
+        layout, revision = decided
+        decided_epoch = layout.epoch
         if not leadership.is_leader():
             return "not-leader"
         try:
-            layout = state.layout
-            assert layout is not None
+            # One read to prove the view is not behind etcd for this topic: a new
+            # leader or shard owner may not yet have seen its predecessor's last
+            # operation, and must not decide on the layout before it.
+            stored = await self._store.get(self._keys.layout(topic))
+        except StoreError as exc:
+            return self._failed(topic, decision, op, exc)
+        if stored is None or stored.mod_revision != revision:
+            log.info("operation.skipped", topic=str(topic), op=op, why="view behind etcd")
+            self._awaiting[topic] = (
+                decided_epoch,
+                self._clock.monotonic() + LAYOUT_CATCH_UP_SECONDS,
+            )
+            self._after(LAYOUT_CATCH_UP_SECONDS, topic, "stale-view")
+            return "stale-view"
+        if not leadership.is_leader():
+            return "not-leader"
+        try:
             if isinstance(decision, Split):
                 await self._broker.split(
                     topic,
@@ -674,6 +754,12 @@ class Controller:
             )
             leadership.lost.set()
             return exc.outcome
+        except Unaddressable as exc:
+            self._metrics.operations.labels(op=op, outcome=exc.outcome).inc()
+            if topic not in self._unaddressable:  # said once per topic; retrying cannot help
+                self._unaddressable.add(topic)
+                log.error("topic.unaddressable", topic=str(topic), error=str(exc))
+            return exc.outcome
         except BrokerError as exc:
             return self._failed(topic, decision, op, exc)
         self._attempts.pop(topic, None)
@@ -702,15 +788,23 @@ class Controller:
         log.info("operation.done", topic=str(topic), op=op, token=leadership.token)
         return "ok"
 
-    def _failed(self, topic: TopicName, decision: Decision, op: str, exc: BrokerError) -> str:
-        outcome = exc.outcome
+    def _failed(
+        self, topic: TopicName, decision: Decision, op: str, exc: BrokerError | StoreError
+    ) -> str:
+        outcome = exc.outcome if isinstance(exc, BrokerError) else "etcd-unavailable"
         self._metrics.operations.labels(op=op, outcome=outcome).inc()
         body = decision_to_json(decision)
         attempt = self._attempts.get(topic)
         failures = attempt.failures + 1 if attempt is not None and attempt.decision == body else 1
         self._attempts[topic] = _Attempt(body, failures)
         if isinstance(exc, Unauthorized):
+            # Not a retry on the backoff: only an operator can fix it. The next tick
+            # tries again, so a token fixed with a SIGHUP works without a restart.
             self._operator_error("broker-auth", str(exc))
+            log.warning(
+                "operation.failed", topic=str(topic), op=op, outcome=outcome, error=str(exc)
+            )
+            return outcome
         schedule = backoff.TOPIC_RETRY.capped_at(self._config().autoscale.interval_seconds)
         retry_in = schedule.delay(failures - 1)
         log.warning(
@@ -829,7 +923,7 @@ class Controller:
                 await self._finish_delete(
                     leadership, marker.topic, marker.descriptor, marker.segment_id
                 )
-        for i, topic in enumerate(list(self.view.topics)):
+        for i, topic in enumerate(self._topics_in(self._scopes)):
             if i % SLICE == SLICE - 1:
                 await anyio.lowlevel.checkpoint()
             leadership = self.leadership_for(topic)
@@ -853,9 +947,7 @@ class Controller:
         layout, revision = state.layout, state.layout_revision
         assert layout is not None
         topic, now = state.name, self._clock.now_ms()
-        retention = gc.resolve_retention(
-            self._config().gc.default_retention_seconds, layout, *self.view.overrides_for(topic)
-        )
+        retention = self._retention(state)
         verdicts: dict[int, gc.Verdict] = {}
         for seg in gc.candidates(layout, now, retention):
             backlogs: dict[str, int | None] = {}
@@ -930,6 +1022,24 @@ class Controller:
         for sid in chosen:
             await self._finish_delete(leadership, topic, layout.segments[sid].descriptor, sid)
 
+    def _retention(self, state: TopicState) -> float:
+        """Seconds a sealed segment of this topic is kept (negative: forever).
+
+        On Pulsar, where Pulsar keeps it: the namespace's ``retention_policies``,
+        else ``gc.default_retention_seconds`` (set it to the broker's
+        ``defaultRetentionTimeInMinutes``); topic-level retention lives in a
+        Pulsar system topic we cannot read. Otherwise: the layout property, then
+        our overrides, then the default.
+        """
+        config = self._config()
+        default = config.gc.default_retention_seconds
+        if config.broker.profile == "pulsar":
+            namespace = self.view.pulsar_namespace(state.name)
+            if namespace is not None and namespace.retention_seconds is not None:
+                return namespace.retention_seconds
+            return default
+        return gc.resolve_retention(default, state.layout, *self.view.overrides_for(state.name))
+
     async def _finish_delete(
         self, leadership: Leadership, topic: TopicName, descriptor: str, segment_id: int
     ) -> None:
@@ -974,9 +1084,18 @@ class Controller:
         }
 
     def _led_topics(self) -> Iterable[TopicName]:
-        if None in self._scopes:
-            return iter(self.view.topics)
-        return (t for t in self.view.topics if self.scope_of(t) in self._scopes)
+        return self._topics_in(self._scopes)
+
+    def _topics_in(self, scopes: Iterable[Scope]) -> list[TopicName]:
+        """A snapshot of the topics in ``scopes`` (every topic for scope ``None``).
+
+        In sharded mode from the per-shard index, so a replica owning 1/N of the
+        shards walks 1/N of the topics.
+        """
+        wanted = set(scopes)
+        if None in wanted or self._shards is None:
+            return list(self.view.topics) if wanted else []
+        return [t for s in wanted if s is not None for t in self._by_shard.get(s, ())]
 
 
 def _over(rates: Any, limits: Any) -> bool:

@@ -80,7 +80,9 @@ OPERATION_OUTCOMES: Final = (
     "precondition_failed",
     "bug",
     "unauthorized",
+    "unaddressable",
     "unavailable",
+    "etcd-unavailable",
 )
 #: ``controllerd_metadata_rejected_total{kind}``: the kinds of etcd key whose
 #: values pass the parsing boundary (core/view.py); ``other`` for any other key.

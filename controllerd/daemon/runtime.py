@@ -43,7 +43,8 @@ from controllerd import config as config_mod
 from controllerd.adapters import backoff, sdnotify
 from controllerd.adapters.audit import AuditSink, open_audit
 from controllerd.adapters.broker import BrokerClient, as_profile
-from controllerd.adapters.election import current_leader, lead
+from controllerd.adapters.election import Leadership, current_leader, lead
+from controllerd.adapters.membership import ShardMembership
 from controllerd.adapters.store import Store, StoreError, StoreUnavailable, open_store
 from controllerd.core.view import Keys, MetadataView
 from controllerd.daemon.clock import Clock, SystemClock
@@ -123,6 +124,7 @@ class Daemon:
         self._campaigning = False
         self._broker_auth_error: str | None = None
         self._reported: tuple[bool, str] | None = None
+        self._membership: ShardMembership | None = None
         self._max_stall = 0.0
 
     # -- config --------------------------------------------------------------------------
@@ -214,6 +216,15 @@ class Daemon:
             "not_ready_reason": self.not_ready_reason(),
             "max_loop_stall_s": round(self._max_stall, 4),
         }
+        membership = self._membership
+        if membership is not None:
+            body["mode"] = "sharded"
+            body["shards"] = {
+                "total": membership.shards,
+                "owned": sorted(membership.owned),
+                "members": sorted(membership.members),
+                "rebalances": membership.rebalances,
+            }
         if follower is not None:
             stats = follower.stats
             body["metadata"] = {
@@ -228,18 +239,25 @@ class Daemon:
         return body
 
     def _report(self) -> None:
-        """Readiness to systemd and the metrics, whenever it changes."""
+        """Readiness to systemd and the metrics, whenever it changes.
+
+        ``STATUS=`` follows the role at every change (e.g. the count of shards owned);
+        the log line only when readiness or the reason for not being ready changes, not
+        at each of the hundreds of shard grants of a rebalance.
+        """
         reason = self.not_ready_reason()
-        state = (reason is None, reason or self._role())
+        shown = reason or self._role()
+        state = (reason is None, shown)
         if state == self._reported:
             return
-        first_ready = reason is None and (self._reported is None or not self._reported[0])
-        self._reported = state
+        previous, self._reported = self._reported, state
+        first_ready = reason is None and (previous is None or not previous[0])
         self.metrics.set_readiness(self._reason_code(reason))
-        sdnotify.status(reason or self._role())
+        sdnotify.status(shown)
         if first_ready:
             sdnotify.ready()
-        log.info("daemon.readiness", ready=reason is None, reason=reason or self._role())
+        if reason is not None or first_ready:
+            log.info("daemon.readiness", ready=reason is None, reason=shown)
 
     def _reason_code(self, reason: str | None) -> str | None:
         """The ``controllerd_not_ready_reason`` label of a reason (a closed set)."""
@@ -257,6 +275,11 @@ class Daemon:
         return "other"
 
     def _role(self) -> str:
+        if self._membership is not None:
+            owned, members = self._membership.owned, self._membership.members
+            return (
+                f"owning {len(owned)} of {self._membership.shards} shards ({len(members)} members)"
+            )
         token = self._leadership_token()
         topics = len(self._controller.view.topics) if self._controller is not None else 0
         if token is not None:
@@ -546,6 +569,9 @@ class Daemon:
             "host": socket.gethostname(),
             "startedAtMs": self.clock.now_ms(),
         }
+        if self.config.election.mode == "sharded":
+            await self._own_shards(store, controller, identity)
+            return
         failures = 0
         while True:
             self._campaigning = True
@@ -558,6 +584,36 @@ class Daemon:
                 failures += 1
                 log.error("election.failed", error=str(exc), retry_in_s=round(delay, 3))
                 await anyio.sleep(delay)
+
+    async def _own_shards(
+        self, store: Store, controller: Controller, identity: Mapping[str, Any]
+    ) -> None:
+        """Sharded mode: join the members and act on the shards rendezvous hashing gives us."""
+
+        def grant(shard: int, leadership: Leadership) -> None:
+            controller.grant(shard, leadership)
+            self.metrics.is_leader.set(1)
+            self._report()
+
+        def revoke(shard: int) -> None:
+            controller.revoke(shard)
+            self.metrics.is_leader.set(1 if controller.scopes else 0)
+            self._report()
+
+        membership = ShardMembership(
+            store,
+            self.config.controller_root,
+            self.replica,
+            identity,
+            self.config.election.shards,
+            ttl=self.config.election.lease_ttl_seconds,
+            grant=grant,
+            revoke=revoke,
+        )
+        self._membership = membership
+        self._campaigning = True
+        self._report()
+        await membership.run()
 
     async def _lead_once(
         self, store: Store, controller: Controller, identity: Mapping[str, Any]

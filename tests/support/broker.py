@@ -53,6 +53,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from controllerd.adapters.store import Store
 from controllerd.core.layout import LayoutError, initial_layout, merge, prune, split
 from controllerd.core.model import Layout, TopicName, layout_to_json
+from controllerd.core.shards import DEFAULT_SHARDS, shard_name, shard_of
 from controllerd.core.view import Keys
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -77,6 +78,34 @@ class RecordedRequest:
     """``time.monotonic()`` on arrival."""
 
 
+@dataclass(frozen=True, slots=True)
+class EtcdFence:
+    """Where the fencing keys live: the leader key, or one key per shard."""
+
+    store: Store
+    controller_root: str
+    shards: int = DEFAULT_SHARDS
+
+    @property
+    def leader_key(self) -> str:
+        return f"{self.controller_root}/leader"
+
+    def shard_key(self, topic: TopicName) -> str:
+        return f"{self.controller_root}/shards/{shard_name(shard_of(topic, self.shards))}"
+
+
+@dataclass(frozen=True, slots=True)
+class FencedCall:
+    """A mutation checked against etcd: which key and token, and whether it passed."""
+
+    method: str
+    topic: TopicName
+    key: str
+    token: int
+    accepted: bool
+    at: float
+
+
 @dataclass
 class TestBrokerState:
     """Everything the test broker knows; tests read and set these fields directly."""
@@ -92,6 +121,10 @@ class TestBrokerState:
     deleted_segments: set[tuple[TopicName, str]] = field(default_factory=set)
     """(topic, descriptor) whose data was deleted."""
     min_fencing_token: int | None = None
+    fence: EtcdFence | None = None
+    """When set, mutations are fenced against etcd (the reference broker's rule) and
+    every fenced call is recorded in ``fenced_calls``."""
+    fenced_calls: list[FencedCall] = field(default_factory=list)
     fail_next: list[int] = field(default_factory=list)
     lose_next: int = 0
     hang_next: int = 0
@@ -147,7 +180,9 @@ class _Handlers:
             raise _Refused(404, f"Scalable topic not found: {topic}", "not-found")
         return layout
 
-    def _check_fencing(self, request: Request) -> None:
+    async def _check_fencing(self, request: Request) -> None:
+        if self.state.fence is not None:
+            await self._check_etcd_fence(request)
         minimum = self.state.min_fencing_token
         if minimum is None:
             return
@@ -158,6 +193,27 @@ class _Handlers:
             raise _Refused(400, f"X-Fencing-Token is not an integer: {raw!r}") from None
         if token is None or token < minimum:
             raise _Refused(409, f"fencing token {token} is older than {minimum}", "fenced")
+
+    async def _check_etcd_fence(self, request: Request) -> None:
+        """The reference broker's fencing: the named key (the leader key, or this topic's
+        shard key) must exist with the token as its create revision."""
+        fence = self.state.fence
+        assert fence is not None
+        topic = self._topic(request)
+        raw = request.headers.get("x-fencing-token")
+        if raw is None:
+            raise _Refused(428, "X-Fencing-Token is required", "fencing-required")
+        token = int(raw)
+        key = request.headers.get("x-fencing-key") or fence.leader_key
+        if key not in (fence.leader_key, fence.shard_key(topic)):
+            raise _Refused(400, f"{key} is not a fencing key for {topic}", "bad-fencing-key")
+        kv = await fence.store.get(key)
+        accepted = kv is not None and kv.create_revision == token
+        self.state.fenced_calls.append(
+            FencedCall(request.method, topic, key, token, accepted, time.monotonic())
+        )
+        if not accepted:
+            raise _Refused(409, f"fencing token {token} is not the holder's of {key}", "fenced")
 
     async def _set_layout(self, topic: TopicName, layout: Layout | None) -> None:
         if layout is None:
@@ -245,7 +301,7 @@ class _Handlers:
     async def split(self, request: Request) -> Response:
         topic = self._topic(request)
         layout = self._layout(topic)
-        self._check_fencing(request)
+        await self._check_fencing(request)
         raw = request.query_params.get("boundaries")
         boundaries: tuple[int, ...] | None = None
         if raw is not None:
@@ -270,7 +326,7 @@ class _Handlers:
     async def merge(self, request: Request) -> Response:
         topic = self._topic(request)
         layout = self._layout(topic)
-        self._check_fencing(request)
+        await self._check_fencing(request)
         p = request.path_params
         try:
             new = merge(layout, p["a"], p["b"], now_ms=self.state.clock_ms())
@@ -295,7 +351,7 @@ class _Handlers:
     async def delete_segment(self, request: Request) -> Response:
         topic = self._topic(request)
         descriptor = request.path_params["descriptor"]
-        self._check_fencing(request)
+        await self._check_fencing(request)
         if not self._segment_exists(topic, descriptor):
             raise _Refused(404, f"Segment topic not found: {topic}/{descriptor}", "not-found")
         layout = self.state.topics[topic]

@@ -14,8 +14,15 @@ from typing import Any
 
 from controllerd.adapters.store import Store
 from controllerd.core.model import Layout, TopicName
+from controllerd.core.shards import DEFAULT_SHARDS
 from controllerd.core.view import Keys
-from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
+from tests.support.broker import (
+    EtcdFence,
+    TestBrokerState,
+    layout_json,
+    mirror_into,
+    serve_test_broker,
+)
 from tests.support.daemon import Replica, replicas, wait_until
 
 TOPIC = TopicName("acme", "ns", "orders")
@@ -73,9 +80,14 @@ async def open_cluster(
     count: int = 2,
     **config: Any,
 ) -> AsyncIterator[Cluster]:
-    """``count`` running replicas of ``controllerd run`` on ``prefix``; stopped at exit."""
+    """``count`` running replicas of ``controllerd run`` on ``prefix``; stopped at exit.
+
+    The broker fences every mutation against etcd as the reference broker does
+    (the leader key, or with ``shards=N`` the topic's shard key) and records it.
+    """
     keys = Keys(f"{prefix}pulsar", f"{prefix}controllerd/default")
     state = TestBrokerState(profile="reference")
+    state.fence = EtcdFence(store, keys.controller_root, config.get("shards") or DEFAULT_SHARDS)
     state.on_layout_change = mirror_into(store, keys)
     async with (
         serve_test_broker(state) as url,

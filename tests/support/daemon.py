@@ -20,6 +20,9 @@ import httpx
 
 from tests.support.kafka import free_port
 
+#: ``write_config(metadata_prefix=DEFAULT_PREFIX)`` writes no metadata_prefix at all.
+DEFAULT_PREFIX = "<default>"
+
 
 def write_config(
     path: Path,
@@ -33,17 +36,21 @@ def write_config(
     lease_ttl: int = 2,
     metadata_prefix: str | None = None,
     token_file: Path | None = None,
+    shards: int | None = None,
 ) -> Path:
     metadata = f"{prefix}pulsar" if metadata_prefix is None else metadata_prefix
+    # DEFAULT_PREFIX: leave the setting out, as an operator's config would
+    prefix_line = "" if metadata == DEFAULT_PREFIX else f'metadata_prefix = "{metadata}"'
     token = f'token_file = "{token_file}"' if token_file is not None else ""
     path.write_text(
         f"""
 [etcd]
 endpoints = ["{etcd}"]
-metadata_prefix = "{metadata}"
+{prefix_line}
 controller_prefix = "{prefix}controllerd"
 [election]
 lease_ttl_seconds = {lease_ttl}
+{f'mode = "sharded"{chr(10)}shards = {shards}' if shards else ""}
 [broker]
 admin_url = "{broker_url}"
 profile = "{profile}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import anyio
@@ -72,6 +72,20 @@ class NotifySocket:
                     message = self.messages[self._cursor]
                     self._cursor += 1
                     if message.get(key) == value:
+                        return message
+                await self._receive()
+
+    async def expect_where(
+        self, key: str, predicate: Callable[[str], bool], *, within: float
+    ) -> dict[str, str]:
+        """The next message assigning ``key`` a value ``predicate`` accepts (e.g. a STATUS=
+        line, whose text carries details that change)."""
+        with anyio.fail_after(within):
+            while True:
+                while self._cursor < len(self.messages):
+                    message = self.messages[self._cursor]
+                    self._cursor += 1
+                    if key in message and predicate(message[key]):
                         return message
                 await self._receive()
 

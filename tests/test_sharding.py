@@ -1,0 +1,162 @@
+"""Sharded mode on real etcd with real ``controllerd run`` replicas (issue #13).
+
+Ownership is read from each replica's /status; who acted is read from the
+broker's record of fenced calls, which checks every mutation's token against
+the create revision of the topic's shard key in etcd, as the reference broker
+does.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from controllerd.adapters.store import Store
+from controllerd.core.model import TopicName
+from controllerd.core.shards import shard_of
+from tests.support.cluster import Cluster, open_cluster
+from tests.support.daemon import Replica, wait_until
+from tests.support.etcd import EtcdServer
+
+SHARDS = 16
+TTL = 2
+TOPICS = [TopicName("acme", "ns", f"t{i}") for i in range(24)]
+
+
+@pytest.fixture
+async def cluster(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    async with open_cluster(
+        store, etcd_server.endpoint, etcd_prefix, tmp_path, count=3, lease_ttl=TTL, shards=SHARDS
+    ) as running:
+        yield running
+
+
+async def owned(replica: Replica) -> set[int]:
+    status = await replica.status()
+    if status is None or "shards" not in status:
+        return set()
+    return set(status["shards"]["owned"])
+
+
+async def ownership(cluster: Cluster) -> dict[str, set[int]]:
+    return {r.name: await owned(r) for r in cluster.replicas if r.alive()}
+
+
+async def settled(cluster: Cluster, members: int) -> bool:
+    """Every shard owned by exactly one live replica, and each sees ``members`` members."""
+    owners = await ownership(cluster)
+    counts = collections.Counter(s for shards in owners.values() for s in shards)
+    if sorted(counts) != list(range(SHARDS)) or any(n != 1 for n in counts.values()):
+        return False
+    for replica in cluster.replicas:
+        status = await replica.status() if replica.alive() else None
+        if status is not None and len(status["shards"]["members"]) != members:
+            return False
+    return True
+
+
+def assert_no_overlap(cluster: Cluster) -> None:
+    """Per shard, once a newer token was accepted, no older one ever is again."""
+    newest: dict[str, int] = {}
+    for call in sorted(cluster.broker.fenced_calls, key=lambda c: c.at):
+        if not call.accepted:
+            continue
+        assert call.token >= newest.get(call.key, 0), f"stale token accepted on {call.key}"
+        newest[call.key] = call.token
+
+
+async def make_work(cluster: Cluster) -> None:
+    for topic in TOPICS:
+        await cluster.add_topic(topic, segments=1)
+        await cluster.put_load(0, 30_000.0, topic)
+
+
+async def test_shards_are_spread_fenced_and_moved_on_kill_and_join(cluster: Cluster) -> None:
+    await wait_until(lambda: settled(cluster, 3), within=20)
+    shares = [len(s) for s in (await ownership(cluster)).values()]
+    assert all(2 <= n <= 10 for n in shares), shares  # about 16/3 each
+
+    await make_work(cluster)
+
+    async def all_split() -> bool:
+        return all(len(cluster.broker.topics[t].active_segments()) == 3 for t in TOPICS)
+
+    await wait_until(all_split, within=30)
+    # Each topic was split by the owner of its shard, with that shard's key and token.
+    by_key = {c.topic: c for c in cluster.broker.fenced_calls if c.accepted}
+    for topic in TOPICS:
+        assert by_key[topic].key.endswith(f"/shards/{shard_of(topic, SHARDS):04d}")
+
+    # kill -9: the victim's shards move to the survivors within the TTL (+ slack to observe)
+    victim = cluster.replicas[0]
+    victim_shards = await owned(victim)
+    victim.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    await wait_until(lambda: settled(cluster, 2), within=TTL + 10)
+    print(f"\nkill -9: {len(victim_shards)} shards moved in {time.monotonic() - killed:.2f}s")
+
+    # a replica joining takes about 1/N of the shards, and only those move
+    before = await ownership(cluster)
+    victim.start()
+    await wait_until(lambda: settled(cluster, 3), within=20)
+    after = await ownership(cluster)
+    assert 2 <= len(after[victim.name]) <= 10
+    for name, shards in before.items():
+        assert shards - after[name] <= after[victim.name]  # what left a survivor went to it
+
+    # work goes on after the moves, on every shard
+    fresh = [TopicName("acme", "ns", f"after-{i}") for i in range(12)]
+    for topic in fresh:
+        await cluster.add_topic(topic, segments=1)
+        await cluster.put_load(0, 30_000.0, topic)
+
+    async def split_again() -> bool:
+        return all(len(cluster.broker.topics[t].active_segments()) == 3 for t in fresh)
+
+    await wait_until(split_again, within=30)
+    assert_no_overlap(cluster)
+
+
+async def test_a_paused_replica_cannot_act_after_it_resumes(cluster: Cluster) -> None:
+    await wait_until(lambda: settled(cluster, 3), within=20)
+    paused = cluster.replicas[1]
+    mine = await owned(paused)
+    assert mine
+    paused.signal(signal.SIGSTOP)
+    try:
+        # past its TTL: the others take its shards
+        async def others_own_all() -> bool:
+            owners = [await owned(r) for r in cluster.replicas if r is not paused]
+            return set().union(*owners) == set(range(SHARDS))
+
+        await wait_until(others_own_all, within=TTL + 10)
+        # work lands on shards the paused replica owned before
+        targets = [t for t in TOPICS if shard_of(t, SHARDS) in mine][:3]
+        assert targets
+        for topic in targets:
+            await cluster.add_topic(topic, segments=1)
+            await cluster.put_load(0, 30_000.0, topic)
+    finally:
+        paused.signal(signal.SIGCONT)
+    await wait_until(lambda: settled(cluster, 3), within=20)
+
+    async def split() -> bool:
+        return all(len(cluster.broker.topics[t].active_segments()) == 3 for t in targets)
+
+    await wait_until(split, within=30)
+    await anyio.sleep(1)  # anything the resumed replica sends would arrive now
+    # The resumed replica's lease had lapsed on its own clock: nothing it sent with an
+    # old token was accepted, and no shard ever had two acting owners.
+    assert_no_overlap(cluster)
+    splits = [c for c in cluster.broker.fenced_calls if c.accepted and c.topic in targets]
+    assert len(splits) == len(targets), [  # each split exactly once
+        (c.method, str(c.topic), c.key[-4:], c.token, c.at) for c in splits
+    ]
