@@ -8,6 +8,7 @@ happened meanwhile is acted on.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import anyio
 import pytest
 
 from controllerd.adapters.store import Store
+from controllerd.core.model import TopicName
 from tests.support.cluster import Cluster, open_cluster
 from tests.support.daemon import wait_until
 from tests.support.etcd import EtcdServer
@@ -97,3 +99,42 @@ async def test_resigning_against_a_paused_etcd_never_raises(
         # Reaching this line is the assertion: leaving resigned without raising.
         etcd_server.resume()
         assert not leadership.is_leader()
+
+
+async def test_etcd_paused_30s_then_killed_and_restarted_10_times(
+    cluster: Cluster, etcd_server: EtcdServer
+) -> None:
+    """The longest pause the issue names, then a crash loop: every replica survives all
+    of it, and the first write after etcd's return is acted on."""
+    await cluster.leader()
+    await cluster.add_topic(segments=1)
+    etcd_server.pause()
+    try:
+        paused = time.monotonic()
+        await wait_until(lambda: _not_leading(cluster), within=TTL + 2)
+        await anyio.sleep(30.0 - (time.monotonic() - paused))  # the outage itself
+        assert all(r.alive() for r in cluster.replicas), "a replica exited during the pause"
+    finally:
+        etcd_server.resume()
+    returned = time.monotonic()
+    await cluster.put_load(0, 30_000.0)
+    await wait_until(lambda: _split_once(cluster), within=30)
+    print(f"etcd paused 30 s: first action {time.monotonic() - returned:.2f}s after its return")
+    # Mostly quick restarts, two of them down past the lease TTL.
+    for downtime in (0.2, 0.2, TTL + 1.0, 0.2, 0.2, 0.2, TTL + 1.0, 0.2, 0.2, 0.2):
+        etcd_server.kill()
+        await anyio.sleep(downtime)  # the outage itself
+        etcd_server.start()
+        assert all(r.alive() for r in cluster.replicas), "a replica exited on an etcd restart"
+    await cluster.leader(within=15)
+    other = TopicName("acme", "ns", "after-restarts")
+    await cluster.add_topic(other, segments=1)
+    returned = time.monotonic()
+    await cluster.put_load(0, 30_000.0, topic=other)
+
+    async def split_after_restarts() -> bool:
+        return cluster.requests("/after-restarts/split/") == 1
+
+    await wait_until(split_after_restarts, within=15)
+    print(f"after 10 etcd restarts: first action {time.monotonic() - returned:.2f}s after a write")
+    assert all(r.alive() for r in cluster.replicas)
