@@ -137,9 +137,11 @@ async def test_failed_split_releases_the_guard_burns_no_cooldown_and_retries(
         assert await h.store.get(h.keys.cooldown(TOPIC)) is None
         assert h.controller.view.topics[TOPIC].cooldown is None
         await h.clock.advance(1.0)  # the retry backoff, not the 60 s tick
-        await eventually(lambda: active_count(h) == 3)
-        assert h.count("controllerd_operations_total", op="split", outcome="ok") == 1
-        assert await h.store.get(h.keys.cooldown(TOPIC)) is not None
+        await eventually(
+            lambda: h.count("controllerd_operations_total", op="split", outcome="ok") == 1
+        )
+        assert active_count(h) == 3
+        await _eventually_stored(h.store, h.keys.cooldown(TOPIC))
 
 
 async def test_malformed_layout_and_load_records_are_skipped_and_counted(
@@ -343,6 +345,7 @@ async def test_cold_since_survives_noisy_records_and_a_new_leader(
             start = h1.clock.now_ms()
             await h1.put_load(0, COLD)
             await h1.put_load(1, COLD)
+            await eventually(lambda: TOPIC in h1.controller.view.topics)
             loads = h1.controller.view.topics[TOPIC].loads
             await eventually(lambda: (loads.cold(0), loads.cold(1)) == (start, start))
             # Derivable from the records (changedAtMs): nothing written to etcd, which

@@ -138,10 +138,12 @@ class DecisionRecord:
 
 @dataclass(slots=True)
 class _Attempt:
-    """The last operation we attempted on a topic and how many times it failed."""
+    """The last operation we attempted on a topic, how many times in a row it failed,
+    and the clock's monotonic time before which its backoff forbids another attempt."""
 
     decision: dict[str, Any]
     failures: int
+    retry_at: float = 0.0
 
 
 class Controller:
@@ -629,6 +631,10 @@ class Controller:
                 cooldown.last_split_ms,
                 cooldown.last_merge_ms,
             )
+        if not isinstance(decision, NoAction) and self._backing_off(topic):
+            # A failed operation's backoff holds: its retry timer comes back for the
+            # topic. Other triggers (load records, ticks) must not shortcut it.
+            return None
         self._count(topic, decision)
         fields = {
             "topic": str(topic),
@@ -652,6 +658,11 @@ class Controller:
             self._carry_history(topic)  # the new layout may be here already
         self._record(topic, decision, outcome, now, state, leadership)
         return decision
+
+    def _backing_off(self, topic: TopicName) -> bool:
+        """Whether the topic's last operation failed and its retry is not due yet."""
+        attempt = self._attempts.get(topic)
+        return attempt is not None and self._clock.monotonic() < attempt.retry_at
 
     def _count(self, topic: TopicName, decision: Decision) -> None:
         """A decision is counted once; deciding the same failed operation again is a retry."""
@@ -845,7 +856,9 @@ class Controller:
         self._metrics.operations.labels(op=op, outcome=outcome).inc()
         body = decision_to_json(decision)
         attempt = self._attempts.get(topic)
-        failures = attempt.failures + 1 if attempt is not None and attempt.decision == body else 1
+        # The backoff grows with the topic's consecutive failures, whatever was decided
+        # each time: a load record that changes the decision must not reset it.
+        failures = attempt.failures + 1 if attempt is not None else 1
         self._attempts[topic] = _Attempt(body, failures)
         if isinstance(exc, Unauthorized):
             # Not a retry on the backoff: only an operator can fix it. The next tick
@@ -857,6 +870,7 @@ class Controller:
             return outcome
         schedule = backoff.TOPIC_RETRY.capped_at(self._config().autoscale.interval_seconds)
         retry_in = schedule.delay(failures - 1)
+        self._attempts[topic].retry_at = self._clock.monotonic() + retry_in
         log.warning(
             "operation.failed",
             topic=str(topic),
