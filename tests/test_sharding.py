@@ -156,7 +156,9 @@ async def test_a_paused_replica_cannot_act_after_it_resumes(cluster: Cluster) ->
     # The resumed replica's lease had lapsed on its own clock: nothing it sent with an
     # old token was accepted, and no shard ever had two acting owners.
     assert_no_overlap(cluster)
-    splits = [c for c in cluster.broker.fenced_calls if c.accepted and c.topic in targets]
-    assert len(splits) == len(targets), [  # each split exactly once
-        (c.method, str(c.topic), c.key[-4:], c.token, c.at) for c in splits
-    ]
+    # Each target split exactly once. (A fence check can pass for a call that the broker
+    # then refuses as a split of a sealed segment, 412: its outcome is what counts.)
+    for topic in targets:
+        layout = cluster.broker.topics[topic]
+        assert len(layout.active_segments()) == 3
+        assert sum(1 for seg in layout.segments.values() if not seg.active) == 1

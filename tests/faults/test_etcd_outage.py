@@ -64,25 +64,6 @@ async def _split_once(cluster: Cluster) -> bool:
     return cluster.splits() == 1
 
 
-async def test_etcd_killed_and_restarted_under_a_leader(
-    cluster: Cluster, etcd_server: EtcdServer
-) -> None:
-    await cluster.leader()
-    for _ in range(3):
-        etcd_server.kill()
-        await anyio.sleep(TTL + 1)  # the outage itself
-        assert all(r.alive() for r in cluster.replicas)
-        etcd_server.start()
-        await cluster.leader(within=15)
-    await cluster.add_topic(segments=1)
-    await cluster.put_load(0, 30_000.0)
-    await wait_until(lambda: _split_once(cluster), within=10)
-    for replica in cluster.replicas:
-        replica.signal(signal.SIGTERM)
-    codes = [await anyio.to_thread.run_sync(r.wait, 15.0) for r in cluster.replicas]
-    assert codes == [0, 0]
-
-
 async def test_resigning_against_a_paused_etcd_never_raises(
     store: Store, etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
@@ -90,7 +71,7 @@ async def test_resigning_against_a_paused_etcd_never_raises(
     escape when its deadline met the call's own (a crash on every such shutdown)."""
     from controllerd.adapters.election import lead
 
-    for bound in (0.3, 0.5, 0.8, 1.1, 1.4):
+    for bound in (0.3, 0.8, 1.4):
         async with lead(
             store, f"{etcd_prefix}leader", {"name": "a"}, ttl=2, resign_timeout=bound
         ) as leadership:
@@ -101,25 +82,26 @@ async def test_resigning_against_a_paused_etcd_never_raises(
         assert not leadership.is_leader()
 
 
-async def test_etcd_paused_30s_then_killed_and_restarted_10_times(
+async def test_etcd_paused_then_killed_and_restarted_10_times(
     cluster: Cluster, etcd_server: EtcdServer
 ) -> None:
-    """The longest pause the issue names, then a crash loop: every replica survives all
-    of it, and the first write after etcd's return is acted on."""
+    """A long pause (five lease TTLs; bench/fault_bench.py goes to 30 s), then a crash
+    loop: every replica survives all of it, the first write after etcd's return is
+    acted on, and SIGTERM still ends every replica with status 0."""
     await cluster.leader()
     await cluster.add_topic(segments=1)
     etcd_server.pause()
     try:
         paused = time.monotonic()
         await wait_until(lambda: _not_leading(cluster), within=TTL + 2)
-        await anyio.sleep(30.0 - (time.monotonic() - paused))  # the outage itself
+        await anyio.sleep(5 * TTL - (time.monotonic() - paused))  # the outage itself
         assert all(r.alive() for r in cluster.replicas), "a replica exited during the pause"
     finally:
         etcd_server.resume()
     returned = time.monotonic()
     await cluster.put_load(0, 30_000.0)
     await wait_until(lambda: _split_once(cluster), within=30)
-    print(f"etcd paused 30 s: first action {time.monotonic() - returned:.2f}s after its return")
+    print(f"etcd paused {5 * TTL} s: first action {time.monotonic() - returned:.2f}s after")
     # Mostly quick restarts, two of them down past the lease TTL.
     for downtime in (0.2, 0.2, TTL + 1.0, 0.2, 0.2, 0.2, TTL + 1.0, 0.2, 0.2, 0.2):
         etcd_server.kill()
@@ -138,3 +120,7 @@ async def test_etcd_paused_30s_then_killed_and_restarted_10_times(
     await wait_until(split_after_restarts, within=15)
     print(f"after 10 etcd restarts: first action {time.monotonic() - returned:.2f}s after a write")
     assert all(r.alive() for r in cluster.replicas)
+    for replica in cluster.replicas:
+        replica.signal(signal.SIGTERM)
+    codes = [await anyio.to_thread.run_sync(r.wait, 15.0) for r in cluster.replicas]
+    assert codes == [0, 0]
