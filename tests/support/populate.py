@@ -96,6 +96,15 @@ class Populated:
     revision: int
 
 
+async def put_batch(store: Store, batch: Sequence[Put]) -> int:
+    """One transaction of <= :data:`TXN_OPS` puts of distinct keys; its revision.
+
+    The same puts on both branches: idempotent, so safe to retry (module docstring).
+    """
+    result = await store.txn([Compare.absent(batch[0].key)], batch, batch)
+    return result.revision
+
+
 async def put_all(
     store: Store, puts: Iterable[Put], *, concurrency: int = CONCURRENCY
 ) -> tuple[int, int]:
@@ -107,10 +116,8 @@ async def put_all(
         nonlocal written, revision
         async with batches:
             async for batch in batches:
-                # Same puts on both branches: idempotent, so safe to retry (module docstring).
-                result = await store.txn([Compare.absent(batch[0].key)], batch, batch)
+                revision = max(revision, await put_batch(store, batch))
                 written += len(batch)
-                revision = max(revision, result.revision)
 
     async with anyio.create_task_group() as tg:
         with receive:
