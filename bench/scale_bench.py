@@ -65,11 +65,13 @@ from typing import Any, Final
 import anyio
 import anyio.to_thread
 import httpx
+import orjson
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from controllerd.adapters.store import Put, Store, open_store
-from controllerd.core.model import TopicName
-from controllerd.core.view import Keys
+from controllerd.core.layout import initial_layout
+from controllerd.core.model import TopicName, layout_to_json
+from controllerd.core.view import Keys, MetadataView
 from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 from tests.support.daemon import Replica, write_config
 from tests.support.etcd import EtcdServer
@@ -81,6 +83,7 @@ from tests.support.populate import (
     put_all,
     put_batch,
     topic_names,
+    topic_puts,
 )
 
 QUOTA_BYTES: Final = 8 * 2**30
@@ -91,6 +94,7 @@ KEEP_UP_SECONDS: Final = 1.0
 WRITER_SLOT: Final = 0.01
 PREFIX: Final = "/bench/"
 
+PHASES: Final = ("tick", "raw-watch", "keep-up", "reaction", "takeover")
 GOALS: Final = {
     "first_decision_s": "<= 30 s (100k)",
     "rss_per_topic_kb": "<= 15 KB",
@@ -243,7 +247,15 @@ def summarise_profile(path: Path, top: int = 12) -> str:
     if not samples:
         return f"profile {path.name}: no samples"
     lines = [f"profile {path.name}: {samples} active samples"]
-    for title, counter in (("own time", own), ("total time", total)):
+    # Total time of our own functions only: the loop and runner frames are in every stack.
+    ours = collections.Counter(
+        {
+            name: count
+            for name, count in total.items()
+            if "controllerd/" in name or "(store.py)" in name
+        }
+    )
+    for title, counter in (("own time", own), ("total time, controllerd code", ours)):
         lines.append(f"  top by {title}:")
         for name, count in counter.most_common(top):
             lines.append(f"    {100 * count / samples:5.1f}%  {name}")
@@ -251,10 +263,12 @@ def summarise_profile(path: Path, top: int = 12) -> str:
 
 
 def _frame(frame: str) -> str:
-    """``func (path/to/file.py:12)`` -> ``func (file.py)``: one name per function."""
+    """``func (path/to/file.py:12)`` -> ``func (dir/file.py)``: one name per function."""
     name, _, where = frame.partition(" (")
     file = where.rstrip(")").rpartition(":")[0]
-    return f"{name} ({'/'.join(file.split('/')[-2:])})" if file else name
+    parts = file.split("/")
+    parts = parts[parts.index("controllerd") :] if "controllerd" in parts else parts[-2:]
+    return f"{name} ({'/'.join(parts)})" if file else name
 
 
 # -- the cluster under test -------------------------------------------------------------------
@@ -273,6 +287,7 @@ class Bench:
     probes: dict[str, Probe] = field(default_factory=dict)
     replicas: dict[str, Replica] = field(default_factory=dict)
     started_at: dict[str, float] = field(default_factory=dict)
+    helpers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def config_text(self, settle: float) -> str:
         return (
@@ -354,6 +369,10 @@ async def open_bench(args: argparse.Namespace, tag: str) -> AsyncIterator[Bench]
                     yield bench
                 finally:
                     profiler.stop()
+                    for helper in bench.helpers:
+                        if helper.poll() is None:
+                            helper.kill()
+                            helper.wait()
                     with anyio.CancelScope(shield=True):
                         await bench.stop_all()
     finally:
@@ -400,8 +419,9 @@ async def start_leader(bench: Bench, n: int, out: dict[str, Any]) -> None:
         if total >= n:
             out["full_evaluation_s"] = now - t0
             break
-        await anyio.sleep(0.05)
+        await anyio.sleep(0.1)
     bench.profiler.stop()
+    out["start_cpu_s"] = cpu_seconds(bench.pid("r0"))
     status = await probe.status() or {}
     out["first_decision_s"] = first
     out["load_s"] = status.get("metadata", {}).get("load_seconds")
@@ -462,8 +482,8 @@ async def leader_changes(bench: Bench) -> int:
 
 
 def run_role(bench: Bench, role: str, *extra: str) -> subprocess.Popen[bytes]:
-    """Start one of this module's helper roles as a process of its own."""
-    return subprocess.Popen(
+    """Start one of this module's helper roles as a process of its own (killed at the end)."""
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -475,6 +495,8 @@ def run_role(bench: Bench, role: str, *extra: str) -> subprocess.Popen[bytes]:
         ],
         stdout=subprocess.PIPE,
     )
+    bench.helpers.append(proc)
+    return proc
 
 
 async def finish(proc: subprocess.Popen[bytes], within: float = 600) -> dict[str, Any]:
@@ -540,6 +562,9 @@ async def keep_up(bench: Bench, n: int, out: dict[str, Any]) -> None:
     raw = out.get("raw_events_per_s")
     out["keep_up_ratio"] = out["keep_up_k"] / raw if raw else None
     out["max_stall_after_keepup_ms"] = await max_stall_ms(bench, "r0")
+    out["max_stall_on_cpu_after_keepup_ms"] = await max_stall_ms(
+        bench, "r0", "max_loop_stall_on_cpu_s"
+    )
 
 
 async def burst(bench: Bench, n: int, out: dict[str, Any]) -> None:
@@ -635,12 +660,15 @@ async def reaction(bench: Bench, n: int, out: dict[str, Any]) -> None:
     rate = bench.args.reaction_rate
     samples = bench.args.reaction_samples
     writer = writer_process(bench, n, rate, 3600)
+    bench.profiler.start(bench.pid("r0"), "reaction")
     try:
         await anyio.sleep(1.0)
         for settle in (0.05, 0.0):
             bench.reconfigure(settle)
-            await anyio.sleep(1.0)  # the reload is logged; a second is plenty
-            ms = await reaction_round(bench, f"settle{int(settle * 1000)}", samples)
+            # A reload empties the leader's policy cache; every topic the storm touches
+            # resolves its policy again (measured: ~2 s of slow reactions at 10k topics).
+            await anyio.sleep(bench.args.after_reload)
+            ms = await reaction_round(bench, f"settle{int(settle * 1000)}", samples, out)
             out[f"reaction_{settle}"] = ms
             print(
                 f"  reaction (settle {settle}s, {rate} writes/s): n={len(ms)} "
@@ -648,6 +676,7 @@ async def reaction(bench: Bench, n: int, out: dict[str, Any]) -> None:
                 f"max={max(ms):.1f} ms"
             )
     finally:
+        bench.profiler.stop()
         writer.send_signal(signal.SIGTERM)
         result = await finish(writer)
         out["reaction_writes_per_s"] = result["written"] / result["seconds"]
@@ -667,8 +696,9 @@ def split_requests(bench: Bench, topic: TopicName) -> list[Any]:
     return [r for r in bench.broker.requests if path in r.path]
 
 
-async def reaction_round(bench: Bench, tag: str, samples: int) -> list[float]:
+async def reaction_round(bench: Bench, tag: str, samples: int, out: dict[str, Any]) -> list[float]:
     latencies = []
+    timeline = out.setdefault("reaction_timeline", [])
     for i in range(samples):
         topic = TopicName("react", tag, f"t{i}")
         await prepare_topic(bench, topic)
@@ -682,6 +712,7 @@ async def reaction_round(bench: Bench, tag: str, samples: int) -> list[float]:
         if await poll(arrived, 30, step=0.001) is None:
             raise RuntimeError(f"no split for {topic} within 30 s")
         latencies.append((split_requests(bench, topic)[0].at - start) * 1000)
+        timeline.append((time.time(), tag, latencies[-1]))
     return latencies
 
 
@@ -725,9 +756,16 @@ async def takeover(
     await anyio.to_thread.run_sync(bench.replicas[old].wait, 30.0)
 
 
-async def max_stall_ms(bench: Bench, name: str) -> float | None:
+async def max_stall_ms(bench: Bench, name: str, field: str = "max_loop_stall_s") -> float | None:
+    """The replica's longest loop stall so far, in ms (None: no answer or no such field).
+
+    ``max_loop_stall_on_cpu_s`` (the part the process spent on CPU, not waiting to be
+    scheduled) is read when the daemon reports it.
+    """
     status = await bench.probes[name].status()
-    return None if status is None else 1000 * float(status.get("max_loop_stall_s", 0.0))
+    if status is None or field not in status:
+        return None
+    return 1000 * float(status[field])
 
 
 @contextlib.contextmanager
@@ -740,9 +778,46 @@ def phase(out: dict[str, Any], name: str) -> Iterator[None]:
         out.setdefault("phases", []).append((name, started, time.time()))
 
 
-def stalls_by_phase(bench: Bench, out: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
-    """Each replica's ``loop.stalled`` warnings (> 100 ms), in ms, by phase."""
+def view_apply_costs(n: int, segments: int, events: int = 100_000) -> dict[str, float]:
+    """CPU per key of the parsing boundary alone, in this process, no I/O: what the
+    follower pays per key of the initial load and per load-record event it follows.
+    Steadier than wall-clock numbers on a shared machine (one core, nothing else)."""
+    keys = Keys(f"{PREFIX}pulsar", f"{PREFIX}controllerd/default")
+    layout = initial_layout(segments, int(time.time() * 1000))
+    value = orjson.dumps(layout_to_json(layout))
+    ids = sorted(layout.segments)
+    rng = random.Random(9)
+    topics = topic_names(n, tenant=TENANT, namespaces=NAMESPACES)
+    puts = [p for t in topics for p in topic_puts(keys, t, value, ids, rng)]
+    view = MetadataView(keys)
+    started = time.process_time()
+    for revision, put in enumerate(puts, 1):
+        view.apply_put(put.key, put.value, revision, 0)
+    load = (time.process_time() - started) / len(puts)
+    updates = [
+        (keys.load(rng.choice(topics), rng.randrange(segments)), balanced_record(rng))
+        for _ in range(events)
+    ]
+    started = time.process_time()
+    for revision, (key, record) in enumerate(updates, len(puts) + 1):
+        view.apply_put(key, record, revision, 0)
+    follow = (time.process_time() - started) / events
+    return {"load_us_per_key": load * 1e6, "follow_us_per_event": follow * 1e6}
+
+
+def where(out: dict[str, Any], at: float) -> str:
+    return next((p for p, start, end in out.get("phases", []) if start <= at <= end), "between")
+
+
+def stalls_by_phase(
+    bench: Bench, out: dict[str, Any], noise: list[list[float]]
+) -> dict[str, dict[str, list[float]]]:
+    """Each replica's ``loop.stalled`` warnings (> 100 ms), in ms, by phase; and the
+    late wake-ups over 100 ms of an idle process (``noise``: the machine, not us)."""
     found: dict[str, dict[str, list[float]]] = {}
+    for at, ms in noise:
+        if ms > 100:
+            found.setdefault("idle process", {}).setdefault(where(out, at), []).append(ms)
     for name in ("r0", "r1"):
         path = bench.root / f"{name}.log"
         if not path.exists():
@@ -753,16 +828,24 @@ def stalls_by_phase(bench: Bench, out: dict[str, Any]) -> dict[str, dict[str, li
             with contextlib.suppress(ValueError, KeyError):
                 event = json.loads(line)
                 at = datetime.fromisoformat(event["timestamp"]).timestamp()
-                where = next(
-                    (p for p, start, end in out.get("phases", []) if start <= at <= end), "between"
+                found.setdefault(name, {}).setdefault(where(out, at), []).append(
+                    1000 * event["seconds"]
                 )
-                found.setdefault(name, {}).setdefault(where, []).append(1000 * event["seconds"])
     return found
 
 
 async def run_one(args: argparse.Namespace, n: int, baseline: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"topics": n}
+    out: dict[str, Any] = {"topics": n, "loadavg_before": os.getloadavg()}
+    wanted = set(args.phases)
+    costs = view_apply_costs(min(n, 10_000), args.segments)
+    out.update(costs)
+    print(
+        f"N={n}: in-process view (parsing boundary only, CPU): "
+        f"{costs['load_us_per_key']:.1f} us/key loaded, "
+        f"{costs['follow_us_per_event']:.1f} us/load event followed"
+    )
     async with open_bench(args, f"n{n}") as bench:
+        noise = run_role(bench, "_noise")
         with phase(out, "populate"):
             topics = topic_names(n, tenant=TENANT, namespaces=NAMESPACES)
             populated = await populate(bench.store, bench.keys, topics, segments=args.segments)
@@ -780,38 +863,48 @@ async def run_one(args: argparse.Namespace, n: int, baseline: int) -> dict[str, 
         )
         with phase(out, "standby-start"):
             await start_standby(bench, out)
-        with phase(out, "tick"):
-            await measure_tick(bench, n, out)
+        if "tick" in wanted:
+            with phase(out, "tick"):
+                await measure_tick(bench, n, out)
         out["leader_changes"] = await leader_changes(bench)
         out["max_stall_ms"] = await max_stall_ms(bench, "r0")
+        out["max_stall_on_cpu_ms"] = await max_stall_ms(bench, "r0", "max_loop_stall_on_cpu_s")
         out["standby_max_stall_ms"] = await max_stall_ms(bench, "r1")
         print(
             f"N={n}: standby ready {_fmt(out['standby_ready_s'], 's')}; tick "
-            f"{_fmt(out['tick_s'], 's')} ({_fmt(out['tick_cpu_s'], 's')} CPU); "
+            f"{_fmt(out.get('tick_s'), 's')} ({_fmt(out.get('tick_cpu_s'), 's')} CPU); "
             f"max stall {out['max_stall_ms']:.0f} ms; leader changes {out['leader_changes']}"
         )
-        with phase(out, "raw-watch"):
-            await raw_watch_rate(bench, n, out)
-        print(f"N={n}: raw watch {out['raw_events_per_s']:.0f} events/s")
-        with phase(out, "keep-up"):
-            await keep_up(bench, n, out)
-        with phase(out, "reaction"):
-            await reaction(bench, n, out)
+        if "raw-watch" in wanted:
+            with phase(out, "raw-watch"):
+                await raw_watch_rate(bench, n, out)
+        print(f"N={n}: raw watch {_fmt(out.get('raw_events_per_s'), 'events/s', digits=0)}")
+        if "keep-up" in wanted:
+            with phase(out, "keep-up"):
+                await keep_up(bench, n, out)
+        if "reaction" in wanted:
+            with phase(out, "reaction"):
+                await reaction(bench, n, out)
         out["leader_changes_after_storms"] = await leader_changes(bench)
-        with phase(out, "takeover-sigterm"):
-            await takeover(bench, n, signal.SIGTERM, "r0", "r1", out)
-        with phase(out, "restart-r0"):
-            await bench.start_replica("r0")
-            probe = bench.probes["r0"]
+        if "takeover" in wanted:
+            with phase(out, "takeover-sigterm"):
+                await takeover(bench, n, signal.SIGTERM, "r0", "r1", out)
+            with phase(out, "restart-r0"):
+                await bench.start_replica("r0")
+                probe = bench.probes["r0"]
 
-            async def ready() -> bool:
-                status = await probe.status()
-                return bool(status and status.get("ready"))
+                async def ready() -> bool:
+                    status = await probe.status()
+                    return bool(status and status.get("ready"))
 
-            await poll(ready, 600)
-        with phase(out, "takeover-kill9"):
-            await takeover(bench, n, signal.SIGKILL, "r1", "r0", out)
-        out["stalls"] = stalls_by_phase(bench, out)
+                await poll(ready, 600)
+            with phase(out, "takeover-kill9"):
+                await takeover(bench, n, signal.SIGKILL, "r1", "r0", out)
+        noise.send_signal(signal.SIGTERM)
+        late = (await anyio.to_thread.run_sync(noise.communicate))[0].decode().splitlines()
+        idle = [json.loads(line) for line in late]
+        out["idle_max_late_ms"] = max((ms for _, ms in idle), default=0.0)
+        out["stalls"] = stalls_by_phase(bench, out, idle)
         for name, phases in out["stalls"].items():
             print(
                 f"N={n}: {name} stalls > 100 ms: "
@@ -824,6 +917,10 @@ async def run_one(args: argparse.Namespace, n: int, baseline: int) -> dict[str, 
                 shutil.copy(log, target / log.name)
             shutil.copy(bench.etcd.data_dir.parent / "etcd.log", target / "etcd.log")
     return out
+
+
+def _idle(ms: float | None) -> str:
+    return _fmt(ms, "ms", digits=0) if ms else "< 50 ms"
 
 
 def _fmt(value: float | None, unit: str, scale: float = 1.0, digits: int = 2) -> str:
@@ -887,6 +984,22 @@ def cells(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, str, s
             GOALS["max_stall_ms"],
             f"{_fmt(g('max_stall_ms'), 'ms', digits=0)} / "
             f"{_fmt(g('max_stall_after_keepup_ms'), 'ms', digits=0)}",
+        ),
+        (
+            "  of which on CPU (daemon's max_loop_stall_on_cpu_s, if reported)",
+            GOALS["max_stall_ms"],
+            f"{_fmt(g('max_stall_on_cpu_ms'), 'ms', digits=0)} / "
+            f"{_fmt(g('max_stall_on_cpu_after_keepup_ms'), 'ms', digits=0)}",
+        ),
+        (
+            "idle process on the same host: longest late wake-up",
+            "",
+            _idle(g("idle_max_late_ms")),
+        ),
+        (
+            "load average (1 min) when this N started",
+            "",
+            f"{g('loadavg_before', [None])[0]}",
         ),
         (
             "leader changes: to the tick / after the storms",
@@ -1017,13 +1130,26 @@ async def raw_watch_role(args: argparse.Namespace) -> None:
     print(json.dumps({"events": count, "seconds": seconds}))
 
 
+async def noise_role(args: argparse.Namespace) -> None:
+    """The scheduling noise floor: a loop that does nothing but the daemon's loop monitor
+    (wake every 50 ms); prints each late wake-up over 50 ms as ``[wall time, ms]``."""
+    stop: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    while not stop:
+        before = time.monotonic()
+        await anyio.sleep(0.05)
+        late = time.monotonic() - before - 0.05
+        if late > 0.05:
+            print(json.dumps([time.time(), round(late * 1000, 1)]), flush=True)
+
+
 def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("_writer", "_raw_watch"):
+    if argv and argv[0] in ("_writer", "_raw_watch", "_noise"):
         role = argparse.ArgumentParser()
         role.add_argument("role")
         role.add_argument("--etcd", required=True)
@@ -1035,7 +1161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         role.add_argument("--from", dest="start", type=int)
         role.add_argument("--events", type=int)
         parsed = role.parse_args(argv)
-        anyio.run(writer_role if parsed.role == "_writer" else raw_watch_role, parsed)
+        roles = {"_writer": writer_role, "_raw_watch": raw_watch_role, "_noise": noise_role}
+        anyio.run(roles[parsed.role], parsed)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--topics", type=_ints, default=[1_000, 10_000, 100_000])
@@ -1049,9 +1176,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=10.0)
     parser.add_argument("--reaction-rate", type=int, default=5_000)
     parser.add_argument("--reaction-samples", type=int, default=50)
+    parser.add_argument(
+        "--after-reload", type=float, default=5.0, help="seconds between SIGHUP and reactions"
+    )
     parser.add_argument("--profile", help="directory for py-spy profiles of the leader")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--logs", help="keep the replicas' and etcd's logs in this directory")
+    parser.add_argument(
+        "--phases",
+        type=lambda text: text.split(","),
+        default=list(PHASES),
+        help=f"optional phases to run (comma-separated; default all: {','.join(PHASES)})",
+    )
     anyio.run(main_async, parser.parse_args(argv))
     return 0
 
