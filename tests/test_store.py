@@ -12,6 +12,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from etcd3aio import Etcd3Client, PermissionType
 
+from controllerd.adapters import store as store_module
 from controllerd.adapters.store import (
     Compare,
     Delete,
@@ -80,7 +81,11 @@ async def test_put_get_delete(store: Store, etcd_prefix: str) -> None:
     assert await store.get(key) is None
 
 
-async def test_get_prefix_paginates_one_snapshot(store: Store, etcd_prefix: str) -> None:
+@pytest.mark.parametrize("scan_keys", [64_000, 1_500], ids=["one-listing", "listings"])
+async def test_get_prefix_paginates_one_snapshot(
+    store: Store, etcd_prefix: str, scan_keys: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "SCAN_KEYS", scan_keys)
     keys = [f"{etcd_prefix}p/{i:05d}" for i in range(2345)]
     await _put_many(store, keys)
     await store.put(etcd_prefix + "p0", b"outside: shares the text but not the '/'")
@@ -90,6 +95,20 @@ async def test_get_prefix_paginates_one_snapshot(store: Store, etcd_prefix: str)
 
     assert [kv.key for kv in kvs] == keys  # all pages, in key order, nothing else
     assert revision >= last
+
+    seen: list[str] = []
+    revisions: set[int] = set()
+    async for page, page_revision in store.iter_prefix(etcd_prefix + "p/"):
+        if not seen:  # written after the snapshot: in no page
+            await store.put(keys[-1], b"changed")
+            await store.put(etcd_prefix + "p/99999", b"new")
+        assert len(page) <= store_module.PAGE_SIZE
+        assert all(kv.value == b"v" for kv in page)
+        revisions.add(page_revision)
+        seen.extend(kv.key for kv in page)
+    assert seen == keys
+    assert len(revisions) == 1
+    await store.delete(etcd_prefix + "p/99999")
     assert await store.delete_prefix(etcd_prefix + "p/") == len(keys)
     after = await store.put(etcd_prefix + "r", b"")
     assert await store.get_prefix(etcd_prefix + "p/") == ([], after)
