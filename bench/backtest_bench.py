@@ -35,9 +35,9 @@ from controllerd.pipeline.load import Skew, source_for
 from controllerd.pipeline.simulate import METRIC_COLUMNS, simulate
 from controllerd.pipeline.traces import TraceOptions, discover
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, load_variants
+from tests.support.shared import traces_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared" / "traces"
 
 
 def steps_of(result: pd.DataFrame, interval_seconds: dict[str, float]) -> float:
@@ -51,7 +51,9 @@ def steps_of(result: pd.DataFrame, interval_seconds: dict[str, float]) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--traces", nargs="+", default=[str(SHARED / "nab"), str(SHARED / "aws")])
+    parser.add_argument(
+        "--traces", nargs="+", default=[str(traces_dir() / "nab"), str(traces_dir() / "aws")]
+    )
     parser.add_argument("--variants", default=str(ROOT / "examples/variants.toml"))
     parser.add_argument("--engines", default="local,spark")
     parser.add_argument("--max-hours", type=float)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, Final
 
 import pytest
@@ -15,8 +14,8 @@ from controllerd.pipeline.load import Skew, Trace, slice_bounds, source_for
 from controllerd.pipeline.simulate import SimResult, Strategy, simulate
 from controllerd.pipeline.traces import TraceOptions, discover
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, controllerd, parse_variants, pip483
+from tests.support.shared import traces_dir
 
-SHARED: Final = Path(__file__).resolve().parents[2] / "shared" / "traces"
 T0: Final = 1_700_000_000_000
 MINUTE: Final = 60_000
 THRESHOLD: Final = REFERENCE_THRESHOLDS.msg_rate_in
@@ -56,7 +55,7 @@ def assert_identical(fast: SimResult, slow: SimResult) -> None:
 
 
 def shared(path: str, max_hours: float | None = None) -> Trace:
-    (trace,) = discover([SHARED / path], TraceOptions(max_hours=max_hours))
+    (trace,) = discover([traces_dir() / path], TraceOptions(max_hours=max_hours))
     return trace
 
 

@@ -9,8 +9,7 @@ import pytest
 
 from controllerd.pipeline.load import Skew
 from controllerd.pipeline.traces import TraceError, TraceOptions, discover, import_csv
-
-NAB = Path(__file__).resolve().parents[2] / "shared" / "traces" / "nab"
+from tests.support.shared import traces_dir
 
 
 def write(path: Path, text: str) -> Path:
@@ -64,9 +63,8 @@ def test_discover_reads_a_directory_and_refuses_duplicate_names(tmp_path: Path) 
         discover([tmp_path / "missing"], TraceOptions())
 
 
-@pytest.mark.skipif(not NAB.is_dir(), reason="shared NAB traces not present")
 def test_the_shared_nab_traces_import() -> None:
-    traces = discover([NAB], TraceOptions(max_hours=24))
+    traces = discover([traces_dir() / "nab"], TraceOptions(max_hours=24))
     names = [t.name for t in traces]
     assert "nyc_taxi" in names and "Twitter_volume_AAPL" in names
     assert all(max(r[0] for r in t.rates) == pytest.approx(40_000.0) for t in traces)
