@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 from aiokafka import AIOKafkaProducer
 
 from controllerd import config as config_mod
@@ -164,3 +166,42 @@ async def test_audit_records_become_decision_rows(kafka_broker: str, tmp_path: P
         (TOPIC, "split", "msgRateIn", "ok")
     ]
     assert json.loads(rows[0]["record_json"]) == record
+
+
+@pytest.mark.parametrize("level", ["error", "debug"])
+async def test_record_prints_only_its_summary_on_stdout_and_logs_as_configured(
+    etcd_server: EtcdServer, store: Store, etcd_prefix: str, tmp_path: Path, level: str
+) -> None:
+    topic = f"{etcd_prefix}pulsar/topics/{TOPIC}"
+    await store.put(topic, json.dumps(layout_to_json(initial_layout(1))).encode())
+    await store.put(f"{topic}/segments/0/load", load(10.0, T0))
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[etcd]\nendpoints = ["{etcd_server.endpoint}"]\n'
+        f'metadata_prefix = "{etcd_prefix}pulsar"\n'
+        f'[logging]\nlevel = "{level}"\nformat = "json"\n',
+        encoding="utf-8",
+    )
+    proc = await anyio.run_process(
+        [
+            sys.executable,
+            "-m",
+            "controllerd.cli",
+            "record",
+            "--config",
+            str(config),
+            "--out",
+            str(tmp_path / "h"),
+            "--duration",
+            "1",
+        ],
+        check=False,
+    )
+    stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, stderr
+    assert stdout.splitlines() == ["1 loads rows, 1 layouts rows, 0 decisions rows"]
+    logged = [json.loads(line) for line in stderr.splitlines()]
+    if level == "error":
+        assert logged == []
+    else:
+        assert any(entry["level"] == "debug" for entry in logged), logged

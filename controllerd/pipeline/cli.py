@@ -493,7 +493,10 @@ def cmd_record(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise OperatorError(f"{path}: {exc.strerror or exc}", setting="--config") from None
     _require(args)
+    from controllerd.daemon.logs import configure_logging
     from controllerd.pipeline.recorder import record_from_config
+
+    configure_logging(cfg.logging.level, cfg.logging.format)
 
     counts = anyio.run(record_from_config, cfg, Path(args.out), args.duration, args.flush_seconds)
     print(", ".join(f"{n} {table} rows" for table, n in counts.items()))
