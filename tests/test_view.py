@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from controllerd.core.layout import initial_layout, split
-from controllerd.core.model import TopicName, layout_to_json
-from controllerd.core.view import Change, Cooldown, Keys, MetadataView, Rejected, seeded_cooldown
+from controllerd.core.model import LoadSample, Rates, TopicName, layout_to_json
+from controllerd.core.view import (
+    Change,
+    Cooldown,
+    Keys,
+    LoadTable,
+    MetadataView,
+    Rejected,
+    seeded_cooldown,
+)
 
 KEYS = Keys("/pulsar", "/controllerd/default")
 T = TopicName("acme", "ns", "orders")
@@ -144,3 +155,47 @@ def test_cooldown_seeded_from_the_layout() -> None:
     assert seeded_cooldown(lay) == Cooldown(1_000, -1)
     view = fresh()
     assert view.topics[T].effective_cooldown() == Cooldown(-1, -1)
+
+
+_rates = st.builds(Rates, *[st.floats(0, 1e12, allow_nan=False)] * 4)
+_ms = st.integers(0, 2**52)
+_samples = st.builds(
+    LoadSample,
+    _rates,
+    _ms,
+    st.none() | _ms,
+    st.none() | _ms,
+    st.none() | st.tuples(st.floats(0, 1e6, allow_nan=False)),
+    st.none() | _rates,
+    st.integers(0, 100),
+    st.none() | _ms,
+)
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), _samples), max_size=20))
+def test_a_load_table_gives_back_every_sample_it_holds(puts: list[tuple[int, LoadSample]]) -> None:
+    table, expected = LoadTable(), {}
+    for revision, (sid, sample) in enumerate(puts):
+        table.put(sid, sample, revision)
+        expected[sid] = sample
+    assert table.samples() == expected
+
+
+def test_a_plain_pulsar_record_is_packed_not_kept_as_an_object() -> None:
+    """The point of the table (issue #12's memory budget): no object per plain record."""
+    assert set(LoadSample.__slots__) == {  # a new field must be taught to _needs_extra
+        "rates",
+        "changed_at_ms",
+        "sampled_at_ms",
+        "cold_since_ms",
+        "hash_buckets",
+        "peak_rates",
+        "flipflops",
+        "last_flipflop_ms",
+    }
+    table = LoadTable()
+    for sid in range(16):
+        table.put(sid, LoadSample(Rates(1.0, 2.0, 3.0, 4.0), 5, None), sid)
+    assert table._extra is None
+    table.put(3, LoadSample(Rates(1.0, 2.0, 3.0, 4.0), 5, None, flipflops=1), 99)
+    assert table._extra is not None and list(table._extra) == [3]

@@ -389,8 +389,15 @@ _RATE_SPELLINGS: Final = (
 )
 
 
+#: Largest int taken as a float without a range check (orjson's ints are 64-bit).
+_FLOAT_INT_MAX: Final = 2**63
+_STATES: Final = {state.value: state for state in SegmentState}
+
+
 def _int(obj: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
     value = obj.get(key, default)
+    if type(value) is int:  # the common case first (bool is not exactly int)
+        return value
     if value is None:
         raise ModelError(f"{where}.{key}: missing")
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -404,6 +411,11 @@ def _number(obj: Mapping[str, Any], keys: tuple[str, ...], where: str) -> float:
     for key in keys:
         if key in obj:
             value = obj[key]
+            kind = type(value)
+            if kind is float and 0.0 <= value < math.inf:  # the common case first; NaN fails
+                return value  # type: ignore[no-any-return]
+            if kind is int and 0 <= value <= _FLOAT_INT_MAX:
+                return float(value)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ModelError(f"{where}.{key}: expected a number, got {value!r}")
             number = float(value)
@@ -417,6 +429,8 @@ def _id_list(obj: Mapping[str, Any], key: str, where: str) -> tuple[int, ...]:
     value = obj.get(key) or []
     if not isinstance(value, list):
         raise ModelError(f"{where}.{key}: expected a list of segment ids, got {value!r}")
+    if all(type(v) is int for v in value):
+        return tuple(value)
     return tuple(_int({key: v}, key, where) for v in value)
 
 
@@ -429,10 +443,12 @@ def segment_from_json(obj: Any, where: str = "segment") -> Segment:
             f"{where}.hashRange: expected an object {{start, end}}, got {hash_range!r}"
         )
     state = obj.get("state")
-    try:
-        seg_state = SegmentState(str(state).upper())
-    except ValueError:
-        raise ModelError(f"{where}.state: expected ACTIVE or SEALED, got {state!r}") from None
+    seg_state = _STATES.get(state) if type(state) is str else None
+    if seg_state is None:
+        try:
+            seg_state = SegmentState(str(state).upper())
+        except ValueError:
+            raise ModelError(f"{where}.state: expected ACTIVE or SEALED, got {state!r}") from None
     return Segment(
         segment_id=_int(obj, "segmentId", where),
         hash_range=HashRange(

@@ -44,6 +44,7 @@ common/util/Codec, NSR NamespaceResources/BaseResources, POL Policies).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -122,8 +123,12 @@ def decode_topic_name(encoded: str) -> str:
     return urllib.parse.unquote_plus(encoded, encoding="utf-8", errors="replace")
 
 
+@functools.lru_cache(maxsize=1 << 18)
 def topic_from_key(tenant: str, namespace: str, encoded: str) -> TopicName:
     """The topic a ``/topics/<tenant>/<namespace>/<encoded>`` key names (decoded once).
+
+    Cached (``TopicName`` is immutable): every key of a topic names it again,
+    and decoding was a sixth of the cost of loading 1.9 million keys.
 
     Raises:
         ModelError: a malformed escape, or a decoded name that is not a valid

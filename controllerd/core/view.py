@@ -339,10 +339,12 @@ class LoadTable(Mapping[int, LoadSample]):
 
 def _needs_extra(sample: LoadSample) -> bool:
     """Whether a sample holds more than a row can (kept as the object itself)."""
-    return any(
-        getattr(sample, name) is not None
-        for name in sample.__slots__
-        if name not in ("rates", "changed_at_ms", "sampled_at_ms")
+    return (
+        sample.cold_since_ms is not None
+        or sample.hash_buckets is not None
+        or sample.peak_rates is not None
+        or sample.flipflops != 0
+        or sample.last_flipflop_ms is not None
     )
 
 
