@@ -110,6 +110,9 @@ LAYOUT_CATCH_UP_SECONDS: Final = 5.0
 MAX_CONCURRENT_EVALUATIONS: Final = 16
 #: Topics handled between two yields to the event loop in loops over all topics.
 SLICE: Final = 500
+#: How long a change seen while another replica led is remembered, so a new leader
+#: evaluates it before the rest of its topics (the leaderless gap is at most a TTL).
+MISSED_WINDOW_SECONDS: Final = 60.0
 #: Most puts/deletes of our own state in one fenced transaction (etcd allows 128).
 WRITE_BATCH: Final = 100
 #: Seconds our own state writes may wait to be batched.
@@ -180,6 +183,10 @@ class Controller:
         self._scope_cache: dict[TopicName, int] = {}
         self._by_shard: dict[int, set[TopicName]] = {}
         self._granted: set[Scope] = set()  # scopes whose topics still need a first evaluation
+        # Topics whose change would have triggered an evaluation had we led them, with
+        # when (ms), oldest first: a new leader evaluates these first, since the old
+        # leader may have died before it acted on them.
+        self._missed: dict[TopicName, int] = {}
         self._scan = anyio.Event()
         # the work queue
         self._urgent: collections.deque[TopicName] = collections.deque()
@@ -260,6 +267,10 @@ class Controller:
             await self._scan.wait()
             self._scan = anyio.Event()
             granted, self._granted = self._granted, set()
+            self._forget_missed()
+            for topic in reversed(self._missed):  # most recent first
+                if self.scope_of(topic) in granted and self.leads(topic):
+                    self.trigger(topic)
             for i, topic in enumerate(self._topics_in(granted)):
                 if self.leads(topic):
                     self.trigger(topic, urgent=False)
@@ -306,7 +317,13 @@ class Controller:
             self._index(outcome.topic)
             self._carry_history(outcome.topic)
             if outcome.topic not in self.view.topics:  # deleted: forget what we kept
-                for memory in (self._scope_cache, self._attempts, self._awaiting, self._applied):
+                for memory in (
+                    self._scope_cache,
+                    self._attempts,
+                    self._awaiting,
+                    self._applied,
+                    self._missed,
+                ):
                     memory.pop(outcome.topic, None)
                 self._unaddressable.discard(outcome.topic)
             self._metrics.topics.set(len(self.view.topics))
@@ -318,7 +335,7 @@ class Controller:
             self._granted.update(self._scopes)  # an override changed: every led topic again
             self._scan.set()
         elif not self.leads(outcome.topic):
-            return
+            self._note_missed(outcome)
         elif outcome.kind == "consumer":
             self._settle(outcome.topic)
         elif outcome.kind == "load":
@@ -326,6 +343,23 @@ class Controller:
                 self.trigger(outcome.topic)
         else:
             self.trigger(outcome.topic)
+
+    def _note_missed(self, change: Change) -> None:
+        """Remember a change that another replica's leadership covers (see ``_missed``)."""
+        assert change.topic is not None
+        if change.kind == "load" and not self._load_matters(change):
+            return
+        self._missed.pop(change.topic, None)
+        self._missed[change.topic] = self._clock.now_ms()
+        self._forget_missed()
+
+    def _forget_missed(self) -> None:
+        horizon = self._clock.now_ms() - int(MISSED_WINDOW_SECONDS * 1000)
+        while self._missed:
+            oldest = next(iter(self._missed))
+            if self._missed[oldest] >= horizon:
+                return
+            del self._missed[oldest]
 
     def _load_matters(self, change: Change) -> bool:
         """Whether one new load record can change a decision or our cold bookkeeping.
