@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from controllerd.core import gc
+from controllerd.core import gc, model
 from controllerd.core.layout import (
     LayoutError,
     apply,
@@ -864,3 +864,39 @@ def test_the_replays_quick_gate_agrees_with_should_write(
     rule = ReportRule(DEFAULT.split_thresholds, DEFAULT.merge_thresholds, limit, 0.0, crossing)
     reason = should_write(rule, Rates(*old), Rates(*new), 0, 0)
     assert Gate(rule).quiet(Rates(*old), Rates(*new)) == (reason is None)
+
+
+# --- the fast segment parse agrees with the checked one ------------------------------------
+
+_json_scalar = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats() | st.text()
+_field = _json_scalar | st.lists(_json_scalar | st.integers(0, 50), max_size=3)
+
+
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "segmentId": st.integers(0, 99) | _field,
+            "hashRange": st.fixed_dictionaries(
+                {},
+                optional={"start": st.integers(0, 65535) | _field, "end": st.integers() | _field},
+            )
+            | _field,
+            "state": st.sampled_from(["ACTIVE", "SEALED", "active", "gone"]) | _field,
+            "parentIds": st.lists(st.integers(0, 99), max_size=3) | _field,
+            "childIds": st.lists(st.integers(0, 99), max_size=3) | _field,
+            "createdAtEpoch": st.integers(0, 9) | _field,
+            "sealedAtEpoch": st.integers(-1, 9) | _field,
+            "createdAtMs": st.integers(0, 2**45) | _field,
+            "sealedAtMs": st.integers(-1, 2**45) | _field,
+            "owner": _field,
+        },
+    )
+)
+def test_the_fast_segment_parse_is_the_checked_parse_or_steps_aside(obj: dict[str, Any]) -> None:
+    fast = model._segment_fast(obj)
+    if fast is None:
+        event("fast path declined")
+        return
+    assert fast == model.segment_from_json(obj)
+    assert fast.extra == model.segment_from_json(obj).extra
