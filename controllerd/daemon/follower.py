@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -87,7 +88,22 @@ class Follower:
                 tg.start_soon(self._follow, prefix, revision + 1, name=f"watch:{prefix}")
 
     async def _load(self, prefix: str) -> int:
-        """Every key under ``prefix`` into the view; the revision of that snapshot."""
+        """Every key under ``prefix`` into the view; the revision of that snapshot.
+
+        Python's cyclic garbage collector is paused while loading, and what was
+        loaded is then frozen out of its scans (``gc.freeze``): each full
+        collection walks every live object, and at 1.9 million keys those walks
+        stalled the event loop for up to 0.9 s, longer the more was loaded.
+        The view's objects hold no reference cycles, so nothing is left unfreed.
+        """
+        gc.disable()
+        try:
+            return await self._load_with_retries(prefix)
+        finally:
+            gc.enable()
+            gc.freeze()
+
+    async def _load_with_retries(self, prefix: str) -> int:
         failures = 0
         while True:
             try:
