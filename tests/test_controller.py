@@ -494,6 +494,13 @@ async def test_a_flip_flop_is_remembered_in_etcd_for_the_next_leader(
             await h1.add_topic(segments=2)
             await h1.put_load(0, COLD)
             await h1.put_load(1, COLD)
+            # Both cold from now: the follower must have seen them before time moves on.
+            await eventually(
+                lambda: (
+                    TOPIC in h1.controller.view.topics
+                    and len(h1.controller.view.topics[TOPIC].loads) == 2
+                )
+            )
             await h1.clock.advance(301.0)
             await h1.put_load(1, COLD + 1)
             await eventually(lambda: h1.requests("/merge/") == 1)

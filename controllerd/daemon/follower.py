@@ -24,9 +24,16 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.lowlevel
 import structlog
+from anyio.streams.memory import MemoryObjectSendStream
 
 from controllerd.adapters import backoff
-from controllerd.adapters.store import SnapshotCompacted, Store, StoreError, WatchCompacted
+from controllerd.adapters.store import (
+    KeyValue,
+    SnapshotCompacted,
+    Store,
+    StoreError,
+    WatchCompacted,
+)
 from controllerd.core.view import MetadataView, Outcome
 from controllerd.daemon.clock import Clock
 
@@ -34,6 +41,8 @@ log = structlog.get_logger("controllerd.daemon.follower")
 
 #: Keys applied between two yields to the event loop during a load or a catch-up.
 SLICE = 500
+#: Pages read from etcd ahead of the one being applied during a load.
+READ_AHEAD_PAGES = 4
 
 
 @dataclass
@@ -117,20 +126,44 @@ class Follower:
                 log.warning("follower.load.failed", prefix=prefix, error=str(exc), retry_in_s=delay)
                 await anyio.sleep(delay)
 
+    async def _read_ahead(
+        self,
+        prefix: str,
+        pages: MemoryObjectSendStream[tuple[list[KeyValue], int]],
+        failed: list[StoreError],
+    ) -> None:
+        """Send ``prefix``'s pages; a store error is handed over, not raised in the group."""
+        async with pages:
+            try:
+                async for page in self._store.iter_prefix(prefix):
+                    await pages.send(page)
+            except StoreError as exc:
+                failed.append(exc)
+
     async def _load_once(self, prefix: str) -> int:
+        """Apply every page of ``prefix``; the next pages are read while one is applied,
+        so the load takes about the longer of etcd's reading and our parsing, not both."""
         revision = 0
         apply_put, note = self._view.apply_put, self._on_outcome
         held = set(self._view.keys_held(prefix))  # empty on the first load
-        async for page, page_revision in self._store.iter_prefix(prefix):
-            revision = page_revision
-            now = self._clock.now_ms()
-            for start in range(0, len(page), SLICE):
-                for kv in page[start : start + SLICE]:
-                    if held:
-                        held.discard(kv.key)
-                    note(apply_put(kv.key, kv.value, kv.mod_revision, now))
-                await anyio.lowlevel.checkpoint()
-            self.stats.keys_loaded += len(page)
+        send, receive = anyio.create_memory_object_stream[tuple[list[KeyValue], int]](
+            READ_AHEAD_PAGES
+        )
+        failed: list[StoreError] = []
+        async with anyio.create_task_group() as tg, receive:
+            tg.start_soon(self._read_ahead, prefix, send, failed)
+            async for page, page_revision in receive:
+                revision = page_revision
+                now = self._clock.now_ms()
+                for start in range(0, len(page), SLICE):
+                    for kv in page[start : start + SLICE]:
+                        if held:
+                            held.discard(kv.key)
+                        note(apply_put(kv.key, kv.value, kv.mod_revision, now))
+                    await anyio.lowlevel.checkpoint()
+                self.stats.keys_loaded += len(page)
+        if failed:
+            raise failed[0]
         for key in sorted(held, reverse=True):  # deleted while we did not watch
             note(self._view.apply_delete(key))
         self.stats.prefixes[prefix] = revision
