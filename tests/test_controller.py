@@ -569,3 +569,49 @@ async def test_the_load_freezes_what_it_loaded_out_of_the_garbage_collectors_sca
         assert h.controller.view is not None
         assert gc.isenabled()  # paused for the load only
         assert gc.get_freeze_count() > 0
+
+
+async def test_ticks_skip_quiet_topics_until_their_inputs_change_or_a_full_pass(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A tick re-evaluates a balanced topic only when something it reads changed, and
+    every topic every FULL_PASS_EVERY ticks (issue #12: 16 s of CPU a tick at 100k)."""
+    async with open_harness(
+        etcd_server.endpoint, etcd_prefix, controller_class=OrderedController
+    ) as h:
+        controller = h.controller
+        assert isinstance(controller, OrderedController)
+        controller.order = []
+        await h.add_topic(segments=2)
+        await h.put_load(0, 4_000.0)
+        await h.put_load(1, 4_000.0)
+
+        def idle() -> bool:
+            status = controller.status()
+            return not status["in_flight"] and not status["queued"]
+
+        async def tick() -> int:
+            """One interval; how many evaluations it caused."""
+            before, ticks = len(controller.order), controller._ticks
+            await h.clock.advance(60.0)
+            await eventually(lambda: controller._ticks == ticks + 1 and idle())
+            return len(controller.order) - before
+
+        await eventually(
+            lambda: (
+                h.count("controllerd_decisions_total", action="none", reason="balanced") >= 1
+                and len(controller.view.topics[TOPIC].loads) == 2
+                and idle()
+            )
+        )
+        controller.order.clear()
+        await h.put_load(1, 4_100.0)  # balanced still: no trigger, but an input changed
+        await eventually(lambda: controller.view.topics[TOPIC].loads[1].rates.msg_rate_in > 4_000)
+        assert controller.order == []
+        assert await tick() == 1  # the first tick is a full pass
+        assert await tick() == 0  # quiet, nothing changed
+        await h.put_load(0, 4_200.0)
+        await eventually(lambda: controller.view.topics[TOPIC].loads[0].rates.msg_rate_in > 4_100)
+        assert await tick() == 1  # its input changed
+        assert [await tick() for _ in range(7)] == [0] * 7
+        assert await tick() == 1  # the tenth: a full pass

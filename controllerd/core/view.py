@@ -363,6 +363,9 @@ class TopicState:
     cold_since: dict[int, int] = field(default_factory=dict)
     #: Flip-flops and peaks the history-based rules need; None while there are none.
     history: TopicHistory | None = None
+    #: Bumped by every value applied to (or rejected for) the topic: equal versions mean
+    #: equal inputs, so an evaluation that found nothing to do need not be repeated.
+    version: int = 0
 
     def consumer_counts(self) -> dict[str, int]:
         """Consumers per STREAM/CHECKPOINT subscription (QUEUE ones never split)."""
@@ -496,6 +499,29 @@ class MetadataView:
 
     def apply_put(self, key: str, value: bytes, mod_revision: int, now_ms: int) -> Outcome:
         """Apply one key's new value; never raises (see the module docstring)."""
+        outcome = self._apply_put(key, value, mod_revision, now_ms)
+        self._touch(key, outcome)
+        return outcome
+
+    def apply_delete(self, key: str) -> Outcome:
+        """Apply one key's deletion; never raises."""
+        outcome = self._apply_delete(key)
+        self._touch(key, outcome)
+        return outcome
+
+    def _touch(self, key: str, outcome: Outcome) -> None:
+        """Bump the version of the topic an applied or rejected value belongs to."""
+        if outcome is None:
+            return
+        topic = outcome.topic if isinstance(outcome, Change) else None
+        if isinstance(outcome, Rejected) and key.startswith(self._topics_prefix):
+            parsed = self._split_metadata(key)
+            topic = parsed[0] if parsed is not None else None
+        state = self.topics.get(topic) if topic is not None else None
+        if state is not None:
+            state.version += 1
+
+    def _apply_put(self, key: str, value: bytes, mod_revision: int, now_ms: int) -> Outcome:
         try:
             if key.startswith(self._topics_prefix):
                 return self._put_metadata(key, value, mod_revision, now_ms)
@@ -514,8 +540,7 @@ class MetadataView:
             return Rejected(key, kind, _reason(exc))
         return None
 
-    def apply_delete(self, key: str) -> Outcome:
-        """Apply one key's deletion; never raises."""
+    def _apply_delete(self, key: str) -> Outcome:
         try:
             if key.startswith(self._topics_prefix):
                 return self._delete_metadata(key)
