@@ -14,7 +14,7 @@ from controllerd.adapters.audit import AuditSink
 from controllerd.adapters.election import Leadership, current_leader
 from controllerd.adapters.store import Store, open_store
 from controllerd.core.layout import prune
-from controllerd.core.model import Decision, TopicName, layout_from_json
+from controllerd.core.model import Decision, PolicySettings, TopicName, layout_from_json
 from controllerd.daemon.controller import Controller
 from tests.support.broker import layout_json
 from tests.support.etcd import EtcdServer
@@ -615,3 +615,20 @@ async def test_ticks_skip_quiet_topics_until_their_inputs_change_or_a_full_pass(
         assert await tick() == 1  # its input changed
         assert [await tick() for _ in range(7)] == [0] * 7
         assert await tick() == 1  # the tenth: a full pass
+
+
+async def test_a_reload_keeps_resolved_policies_unless_the_policy_changed(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Resolving every topic again after each SIGHUP slowed reactions for seconds."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        await h.add_topic(segments=2)
+        await eventually(lambda: h.view_layout() is not None)
+        state = h.controller.view.topics[TOPIC]
+        before = h.controller.resolved_policy(state)
+        h.set_config(make_config(etcd_prefix, settle=0.5, interval=30.0))  # no [policy] change
+        assert h.controller.resolved_policy(state) is before
+        h.set_config(make_config(etcd_prefix, "[policy]\nmerge_window_seconds = 60\n"))
+        after = h.controller.resolved_policy(state)
+        assert after is not before
+        assert isinstance(after, PolicySettings) and after.merge_window_seconds == 60

@@ -634,12 +634,22 @@ class Controller:
     # -- evaluation -----------------------------------------------------------------------
 
     def resolved_policy(self, state: TopicState) -> PolicySettings | PolicyInvalid:
-        """The topic's policy, cached until its layout, an override or the config changes."""
+        """The topic's policy, cached until its layout, an override or the config changes.
+
+        Only ``[policy]`` and ``broker.profile`` enter it, so a reload that changes
+        neither keeps the cache: resolving every topic again after each SIGHUP slowed
+        reactions under a write storm for seconds (issue #12's bench, 10k topics).
+        """
         config = self._config()
         if config is not self._config_seen:
+            seen = self._config_seen
+            if seen is None or (seen.policy, seen.broker.profile) != (
+                config.policy,
+                config.broker.profile,
+            ):
+                self._config_generation += 1
+                self._policies.clear()
             self._config_seen = config
-            self._config_generation += 1
-            self._policies.clear()
         stamp = (self._config_generation, self.view.overrides_generation, state.layout_revision)
         cached = self._policies.get(state.name)
         if cached is not None and cached[0] == stamp:
