@@ -32,7 +32,6 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from pathlib import Path
 from typing import Any, Final
 
 import anyio
@@ -45,6 +44,7 @@ from controllerd.adapters.audit import AuditSink, open_audit
 from controllerd.adapters.broker import BrokerClient, as_profile
 from controllerd.adapters.election import Leadership, current_leader, lead
 from controllerd.adapters.membership import ShardMembership
+from controllerd.adapters.secrets import read_secret
 from controllerd.adapters.store import Store, StoreError, StoreUnavailable, open_store
 from controllerd.core.view import Keys, MetadataView
 from controllerd.daemon.clock import Clock, SystemClock
@@ -68,24 +68,12 @@ LOOP_TICK: Final = 0.05
 EMPTY_PREFIX_WARNING: Final = 600.0
 
 
-def _read_secret(path: str | None, setting: str) -> str | None:
-    """Secrets come from files (systemd EnvironmentFile/credentials, k8s Secrets)."""
-    if path is None:
-        return None
-    try:
-        return Path(path).read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise OperatorError(
-            f"cannot read {setting} {path}: {exc.strerror or exc}", setting=setting
-        ) from None
-
-
 def open_configured_store(etcd: config_mod.EtcdSettings) -> AbstractAsyncContextManager[Store]:
     """The etcd client as ``[etcd]`` describes it (credentials read from their files)."""
     return open_store(
         etcd.endpoints,
         username=etcd.username,
-        password=_read_secret(etcd.password_file, "etcd.password_file"),
+        password=read_secret(etcd.password_file, "etcd.password_file"),
         ca_file=etcd.ca_file,
         cert_file=etcd.cert_file,
         key_file=etcd.key_file,
@@ -134,9 +122,9 @@ class Daemon:
         sdnotify.reloading()
         try:
             new = config_mod.load_file(self.config_path, self.env)
-            token = _read_secret(new.broker.token_file, "broker.token_file")
+            token = read_secret(new.broker.token_file, "broker.token_file")
         except (config_mod.ConfigError, OperatorError) as exc:
-            errors = exc.errors if isinstance(exc, config_mod.ConfigError) else [str(exc)]
+            errors = exc.errors if isinstance(exc, config_mod.ConfigError) else [exc.line()]
             self.metrics.config_reloads.labels(outcome="invalid").inc()
             self.metrics.operator_errors.labels(kind="config-reload").inc()
             log.error(
@@ -322,7 +310,7 @@ class Daemon:
             broker = BrokerClient(
                 cfg.broker.admin_url,
                 profile=as_profile(cfg.broker.profile),
-                token=_read_secret(cfg.broker.token_file, "broker.token_file"),
+                token=read_secret(cfg.broker.token_file, "broker.token_file"),
                 ca_file=cfg.broker.ca_file,
                 cert_file=cfg.broker.cert_file,
                 key_file=cfg.broker.key_file,

@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 import anyio
 
 from controllerd import config as config_mod
+from controllerd.adapters.secrets import read_secret
 from controllerd.adapters.store import KeyValue, Store, StoreError, StoreUnavailable, open_store
 from controllerd.core import shards as shards_mod
 from controllerd.errors import EXIT_UNAVAILABLE, EXIT_USAGE, OperatorError
@@ -42,11 +42,6 @@ def election_mode(cfg: config_mod.Config) -> tuple[str, int]:
     mode = str(getattr(election, "mode", SINGLE))
     shards = int(getattr(election, "shards", shards_mod.DEFAULT_SHARDS))
     return mode, shards
-
-
-def _secret(path: str | None) -> str | None:
-    # The CLI has already checked the file is readable (cli.config_file_errors).
-    return None if path is None else Path(path).read_text(encoding="utf-8").strip()
 
 
 def _identity(value: bytes) -> dict[str, Any]:
@@ -85,7 +80,7 @@ async def read_status(cfg: config_mod.Config, *, within: float = DEFAULT_TIMEOUT
             async with open_store(
                 etcd.endpoints,
                 username=etcd.username,
-                password=_secret(etcd.password_file),
+                password=read_secret(etcd.password_file, "etcd.password_file"),
                 ca_file=etcd.ca_file,
                 cert_file=etcd.cert_file,
                 key_file=etcd.key_file,

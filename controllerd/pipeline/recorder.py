@@ -28,12 +28,13 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
+from controllerd.adapters.secrets import read_secret
 from controllerd.adapters.store import Store, StoreError, open_store
 from controllerd.config import Config
 from controllerd.core.model import ModelError, layout_from_json, load_sample_from_json
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import SystemClock
-from controllerd.errors import EXIT_UNAVAILABLE, EXIT_USAGE, OperatorError
+from controllerd.errors import EXIT_UNAVAILABLE, OperatorError
 from controllerd.pipeline.history import DECISIONS, LAYOUTS, LOADS, write_rows
 
 log = structlog.get_logger(__name__)
@@ -258,17 +259,6 @@ async def _stop_on_signal(scope: anyio.CancelScope) -> None:
             return
 
 
-def _secret(path: str | None, setting: str) -> str | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise OperatorError(
-            f"cannot read {path}: {exc.strerror or exc}", exit_code=EXIT_USAGE, setting=setting
-        ) from None
-
-
 def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
     """The first exception of ``kinds`` in ``exc`` or, for a group, in its members."""
     if isinstance(exc, kinds):
@@ -301,7 +291,7 @@ async def record_from_config(
     sink = ParquetSink(out)
     clock = SystemClock()
     recorder = Recorder(Keys(cfg.metadata_prefix, cfg.controller_root), clock.now_ms)
-    password = _secret(cfg.etcd.password_file, "etcd.password_file")
+    password = read_secret(cfg.etcd.password_file, "etcd.password_file")
     try:
         async with open_store(
             cfg.etcd.endpoints,
