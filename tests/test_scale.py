@@ -17,10 +17,12 @@ Speed lives in ``bench/scale_bench.py``; times here are only printed.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ import anyio.to_thread
 import grpc
 from etcd3aio._protobuf import KVStub, LeaseStub, LeaseTimeToLiveRequest, RangeRequest
 
-from controllerd.adapters.election import lead
+from controllerd.adapters.election import Leadership, lead
 from controllerd.adapters.store import Compare, Delete, Put, Store
 from controllerd.core.layout import initial_layout
 from controllerd.core.model import Decision, TopicName
@@ -39,7 +41,7 @@ from controllerd.daemon.controller import Controller
 from tests.support.cluster import Cluster, open_cluster
 from tests.support.daemon import Replica, wait_until
 from tests.support.etcd import EtcdServer
-from tests.support.harness import eventually, make_config, open_harness
+from tests.support.harness import Harness, eventually, make_config, open_harness
 from tests.support.populate import balanced_record, populate, put_all, topic_names
 
 TTL = 2
@@ -151,12 +153,14 @@ def fencing_tokens(requests: list[Any], fragment: str) -> list[str]:
     return [r.headers.get("x-fencing-token", "") for r in requests if fragment in r.path]
 
 
-async def test_a_blocked_loop_longer_than_the_ttl_keeps_the_lease_and_acts_with_it(
-    etcd_server: EtcdServer, etcd_prefix: str, store: Store
-) -> None:
+@contextlib.asynccontextmanager
+async def stalling_leader(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, replica: str
+) -> AsyncIterator[tuple[Leadership, Harness, StallingController]]:
+    """A leader (TTL :data:`TTL`) whose controller stalls its loop on :data:`STALLED`."""
     keys = harness_keys(etcd_prefix)
     async with (
-        lead(store, keys.leader, {"replica": "stall"}, ttl=TTL) as leadership,
+        lead(store, keys.leader, {"replica": replica}, ttl=TTL) as leadership,
         open_harness(
             etcd_server.endpoint,
             etcd_prefix,
@@ -167,11 +171,28 @@ async def test_a_blocked_loop_longer_than_the_ttl_keeps_the_lease_and_acts_with_
     ):
         controller = h.controller
         assert isinstance(controller, StallingController)
+        yield leadership, h, controller
+
+
+async def make_a_split_due(h: Harness) -> None:
+    """:data:`STALLED` with one segment and two consumers: a split is due."""
+    await h.add_topic(STALLED, 1)
+    await h.add_subscription("s", topic=STALLED)
+    await h.register("s", "c1", topic=STALLED)
+    await h.register("s", "c2", topic=STALLED)
+
+
+async def test_a_blocked_loop_longer_than_the_ttl_keeps_the_lease_and_acts_with_it(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store
+) -> None:
+    keys = harness_keys(etcd_prefix)
+    async with stalling_leader(etcd_server, etcd_prefix, store, "stall") as (
+        leadership,
+        h,
+        controller,
+    ):
         with EtcdObserver(etcd_server.endpoint, keys.leader, leadership.lease_id) as observer:
-            await h.add_topic(STALLED, 1)
-            await h.add_subscription("s", topic=STALLED)
-            await h.register("s", "c1", topic=STALLED)
-            await h.register("s", "c2", topic=STALLED)
+            await make_a_split_due(h)
             await eventually(
                 lambda: h.requests("/stalled/split/") == 1 or leadership.lost.is_set(), within=30
             )
@@ -193,24 +214,13 @@ async def test_a_blocked_loop_longer_than_the_ttl_keeps_the_lease_and_acts_with_
 async def test_when_the_lease_cannot_be_renewed_nothing_acts_after_the_stall(
     etcd_server: EtcdServer, etcd_prefix: str, store: Store
 ) -> None:
-    keys = harness_keys(etcd_prefix)
-    async with (
-        lead(store, keys.leader, {"replica": "frozen"}, ttl=TTL) as leadership,
-        open_harness(
-            etcd_server.endpoint,
-            etcd_prefix,
-            store=store,
-            leadership=leadership,
-            controller_class=StallingController,
-        ) as h,
+    async with stalling_leader(etcd_server, etcd_prefix, store, "frozen") as (
+        leadership,
+        h,
+        controller,
     ):
-        controller = h.controller
-        assert isinstance(controller, StallingController)
         controller.freeze_etcd = etcd_server
-        await h.add_topic(STALLED, 1)
-        await h.add_subscription("s", topic=STALLED)
-        await h.register("s", "c1", topic=STALLED)
-        await h.register("s", "c2", topic=STALLED)
+        await make_a_split_due(h)
         with anyio.fail_after(30):
             await leadership.lost.wait()
         assert controller.stall is not None
