@@ -29,6 +29,15 @@ def active_count(h: Harness) -> int:
     return len(h.layout().active_segments())
 
 
+async def split_a_hot_topic(h: Harness) -> int:
+    """A one-segment topic goes hot and is split 3 ways; when (ms) the split was done."""
+    await h.add_topic(segments=1)
+    await h.put_load(0, HOT)
+    await eventually(lambda: active_count(h) == 3)
+    await eventually(lambda: not h.controller.status()["in_flight"])
+    return h.clock.now_ms()
+
+
 async def stored_json(store: Store, key: str) -> object:
     kv = await store.get(key)
     return json.loads(kv.value) if kv is not None else None
@@ -173,11 +182,7 @@ async def test_cooldown_survives_failover_even_after_gc_pruned_the_parent(
 ) -> None:
     async with open_store([etcd_server.endpoint]) as store:
         async with open_harness(etcd_server.endpoint, etcd_prefix, store=store) as h1:
-            await h1.add_topic(segments=1)
-            await h1.put_load(0, HOT)
-            await eventually(lambda: active_count(h1) == 3)
-            await eventually(lambda: not h1.controller.status()["in_flight"])
-            split_at = h1.clock.now_ms()
+            split_at = await split_a_hot_topic(h1)
             layout = prune(h1.layout(), [0])  # GC forgot the parent: nothing to seed from
         async with open_harness(
             etcd_server.endpoint, etcd_prefix, store=store, replica="test-2"
@@ -409,11 +414,7 @@ async def test_a_new_leader_comes_back_when_an_inherited_cooldown_ends(
     new leader evaluates again when it ends, with no tick and no new record."""
     async with open_store([etcd_server.endpoint]) as store:
         async with open_harness(etcd_server.endpoint, etcd_prefix, store=store) as h1:
-            await h1.add_topic(segments=1)
-            await h1.put_load(0, HOT)
-            await eventually(lambda: active_count(h1) == 3)
-            await eventually(lambda: not h1.controller.status()["in_flight"])
-            split_at = h1.clock.now_ms()
+            split_at = await split_a_hot_topic(h1)
             layout = h1.layout()
         async with open_harness(
             etcd_server.endpoint, etcd_prefix, store=store, replica="test-2", interval=1e9
