@@ -57,10 +57,12 @@ from controllerd.adapters.store import Store, open_store
 from controllerd.core.model import TopicName
 from tests.faults.chaos import (
     HOT,
+    SEGMENTS,
     Chaos,
     open_chaos,
     operations,
     schedule_violations,
+    segments_prefix,
     topic_path,
 )
 from tests.faults.poison import KINDS, NEVER_REJECTED, Poison, poison_key, poison_values
@@ -471,12 +473,10 @@ async def storms(args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: 
 # -- GC under chaos -----------------------------------------------------------------------
 
 GC_CONFIG = "[gc]\ninterval_seconds = 0.5\ndefault_retention_seconds = 1\n"
-SEGMENTS = "/admin/v2/segments/"
 
 
 def _segment_requests(chaos: Chaos, topic: TopicName, method: str) -> list[float]:
-    prefix = f"{SEGMENTS}{topic.tenant}/{topic.namespace}/{topic.topic}/"
-    return [s.at for s in chaos.http.requests(prefix, method=method)]
+    return [s.at for s in chaos.http.requests(segments_prefix(topic), method=method)]
 
 
 @dataclass
@@ -496,12 +496,7 @@ async def _gc_round(chaos: Chaos, ns: str) -> _GcRound:
     unknown = {TopicName("bench", ns, f"http-{s}"): s for s in (500, 404, 0)}
     parents = {drained: await chaos.split_with_subscription(drained)}
     for topic, status in unknown.items():
-        prefix = f"{SEGMENTS}bench/{ns}/{topic.topic}/"
-        if status:
-            chaos.http.fail(prefix, status, method="GET")
-        else:
-            chaos.http.hang(prefix, method="GET")
-        parents[topic] = await chaos.split_with_subscription(topic)
+        parents[topic] = await chaos.split_with_unknown_backlog(topic, status)
     parents[with_backlog] = await chaos.split_with_subscription(with_backlog)
     chaos.broker.backlogs[(with_backlog, parents[with_backlog], "s")] = 3
     parents[retained] = await chaos.split_with_subscription(retained, retention=3_600)

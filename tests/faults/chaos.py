@@ -33,8 +33,15 @@ from tests.support.kafka import free_port
 from tests.support.proxy import TcpProxy, serve_proxy
 
 TOPIC = TopicName("acme", "ns", "orders")
+#: The admin API's segment paths: backlog reads (GET) and deletes (DELETE) go under it.
+SEGMENTS = "/admin/v2/segments/"
 #: Three times the default split threshold (msgRateIn 10,000/s): a 3-way split.
 HOT = 30_000.0
+
+
+def segments_prefix(topic: TopicName) -> str:
+    """The admin path prefix of ``topic``'s segments."""
+    return f"{SEGMENTS}{topic.tenant}/{topic.namespace}/{topic.topic}/"
 
 
 @dataclass
@@ -126,6 +133,16 @@ class Chaos:
     async def add_subscription(self, sub: str, topic: TopicName = TOPIC) -> None:
         self.broker.subscriptions.setdefault(topic, {})[sub] = "STREAM"
         await self.store.put(self.keys.subscription(topic, sub), b'{"type": "STREAM"}')
+
+    async def split_with_unknown_backlog(self, topic: TopicName, status: int) -> str:
+        """:meth:`split_with_subscription`, but every backlog read of the topic fails:
+        answered with ``status``, or never answered when ``status`` is 0."""
+        prefix = segments_prefix(topic)
+        if status:
+            self.http.fail(prefix, status, method="GET")
+        else:
+            self.http.hang(prefix, method="GET")
+        return await self.split_with_subscription(topic)
 
     async def split_with_subscription(self, topic: TopicName, *, retention: int = 0) -> str:
         """A topic with subscription ``s``, split once by a hot load record (segment 0

@@ -22,12 +22,11 @@ import pytest
 
 from controllerd.adapters.store import Store
 from controllerd.core.model import Layout, TopicName, layout_from_json
-from tests.faults.chaos import Chaos, open_chaos
+from tests.faults.chaos import SEGMENTS, Chaos, open_chaos, segments_prefix
 from tests.support.daemon import wait_until
 from tests.support.etcd import EtcdServer
 
 GC = "[gc]\ninterval_seconds = 0.5\ndefault_retention_seconds = 1\n"
-SEGMENTS = "/admin/v2/segments/"
 
 
 @pytest.fixture
@@ -49,13 +48,11 @@ async def stored_layout(chaos: Chaos, topic: TopicName) -> Layout:
 
 def deletes(chaos: Chaos, topic: TopicName) -> list[str]:
     """Delete-segment requests for ``topic`` as sent by controllerd (faulted or not)."""
-    prefix = f"{SEGMENTS}{topic.tenant}/{topic.namespace}/{topic.topic}/"
-    return [s.path for s in chaos.http.requests(prefix, method="DELETE")]
+    return [s.path for s in chaos.http.requests(segments_prefix(topic), method="DELETE")]
 
 
 def backlog_calls(chaos: Chaos, topic: TopicName) -> int:
-    prefix = f"{SEGMENTS}{topic.tenant}/{topic.namespace}/{topic.topic}/"
-    return len(chaos.http.requests(prefix, method="GET"))
+    return len(chaos.http.requests(segments_prefix(topic), method="GET"))
 
 
 async def test_gc_never_deletes_with_backlog_unknown_backlog_or_inside_retention(
@@ -71,12 +68,7 @@ async def test_gc_never_deletes_with_backlog_unknown_backlog_or_inside_retention
     kept = TopicName("acme", "gc", "retention")
     parents = {drained: await chaos.split_with_subscription(drained)}
     for topic, status in unknown.items():
-        backlog_path = f"{SEGMENTS}{topic.tenant}/{topic.namespace}/{topic.topic}/"
-        if status:
-            chaos.http.fail(backlog_path, status, method="GET")
-        else:
-            chaos.http.hang(backlog_path, method="GET")
-        parents[topic] = await chaos.split_with_subscription(topic)
+        parents[topic] = await chaos.split_with_unknown_backlog(topic, status)
     parents[backlog] = await chaos.split_with_subscription(backlog)
     chaos.broker.backlogs[(backlog, parents[backlog], "s")] = 5
     parents[kept] = await chaos.split_with_subscription(kept, retention=3_600)
