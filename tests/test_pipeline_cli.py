@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import os
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controllerd.pipeline.cli import add_commands
+from controllerd.cli import main
 
 REQUIRED = [
     "trace",
@@ -26,14 +25,6 @@ REQUIRED = [
     "flipflops",
     "peak_segments",
 ]
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="controllerd")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
-    return code
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from pathlib import Path
@@ -12,7 +11,7 @@ import pandas as pd
 import pytest
 
 from controllerd import config
-from controllerd.pipeline.cli import add_commands
+from controllerd.cli import main as run_cli
 from controllerd.pipeline.load import Trace
 from controllerd.pipeline.tune import (
     choose,
@@ -130,14 +129,6 @@ def test_the_snippet_is_valid_policy_toml_with_only_what_differs() -> None:
     assert loaded.policy == tuned.policy
     assert "merge_window_seconds = 3600.0" in text and "max_segments" not in text
     assert "(the shipped defaults)" in toml_snippet(Variant("d", base))
-
-
-def run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="controllerd")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
-    return code
 
 
 @pytest.fixture
