@@ -83,6 +83,7 @@ from tests.support.broker import (
     FencedCall,
     TestBrokerState,
     layout_json,
+    load_json,
     make_test_broker_app,
     mirror_into,
 )
@@ -220,27 +221,13 @@ async def serve_broker(store: Store, prefix: str, shards: int) -> AsyncIterator[
         sock.close()
 
 
-def load_record(msg_rate_in: float) -> bytes:
-    now = int(time.time() * 1000)
-    return json.dumps(
-        {
-            "msgRateIn": msg_rate_in,
-            "byteRateIn": 0.0,
-            "msgRateOut": 0.0,
-            "byteRateOut": 0.0,
-            "changedAtMs": now,
-            "sampledAtMs": now,
-        }
-    ).encode()
-
-
 async def add_topics(store: Store, broker: Broker, topics: Sequence[TopicName]) -> None:
     """One active segment each, with a balanced load record, in batched transactions."""
     items: list[tuple[str, bytes]] = []
     for topic in topics:
         layout = broker.state.add_topic(topic, 1)
         items.append((broker.keys.layout(topic), layout_json(layout)))
-        items.append((broker.keys.load(topic, 0), load_record(BALANCED)))
+        items.append((broker.keys.load(topic, 0), load_json(BALANCED)))
     for start in range(0, len(items), BATCH):
         batch = items[start : start + BATCH]
         # The compare is falsified by the batch itself, so a retried batch is a no-op.
@@ -594,14 +581,14 @@ class Writer:
         self.created += 1
         layout = self.broker.state.add_topic(topic, 1)
         await self.store.put(self.broker.keys.layout(topic), layout_json(layout))
-        await self.store.put(self.broker.keys.load(topic, 0), load_record(HOT))
+        await self.store.put(self.broker.keys.load(topic, 0), load_json(HOT))
         self.topics.append(topic)
 
     async def make_hot(self) -> None:
         topic = self.rng.choice(self.topics)
         active = self.broker.state.topics[topic].active_segments()
         segment = self.rng.choice(active)
-        await self.store.put(self.broker.keys.load(topic, segment.segment_id), load_record(HOT))
+        await self.store.put(self.broker.keys.load(topic, segment.segment_id), load_json(HOT))
         self.hot += 1
 
     async def provoke(self, pool: Pool, victim: Replica) -> None:
@@ -613,7 +600,7 @@ class Writer:
         mine = [t for t in self.topics if shard_of(t, shards) in owned]
         for topic in self.rng.sample(mine, min(3, len(mine))):
             segment = self.rng.choice(self.broker.state.topics[topic].active_segments())
-            await self.store.put(self.broker.keys.load(topic, segment.segment_id), load_record(HOT))
+            await self.store.put(self.broker.keys.load(topic, segment.segment_id), load_json(HOT))
             self.hot += 1
         await anyio.sleep(self.rng.uniform(0.0, 0.05))
 
@@ -624,9 +611,7 @@ class Writer:
             return
         i = self.rng.randrange(len(active) - 1)
         for segment in active[i : i + 2]:
-            await self.store.put(
-                self.broker.keys.load(topic, segment.segment_id), load_record(COLD)
-            )
+            await self.store.put(self.broker.keys.load(topic, segment.segment_id), load_json(COLD))
         self.cold += 1
 
 

@@ -18,7 +18,13 @@ import pytest
 from controllerd.adapters.store import Store
 from controllerd.core.model import Layout, TopicName
 from controllerd.core.view import Keys
-from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
+from tests.support.broker import (
+    TestBrokerState,
+    layout_json,
+    load_json,
+    mirror_into,
+    serve_test_broker,
+)
 from tests.support.daemon import Replica, replicas, wait_until
 from tests.support.etcd import EtcdServer
 
@@ -52,16 +58,7 @@ class Cluster:
         return layout
 
     async def put_load(self, segment_id: int, msg_in: float) -> None:
-        now = int(time.time() * 1000)
-        record = {
-            "msgRateIn": msg_in,
-            "byteRateIn": 0.0,
-            "msgRateOut": 0.0,
-            "byteRateOut": 0.0,
-            "changedAtMs": now,
-            "sampledAtMs": now,
-        }
-        await self.store.put(self.keys.load(TOPIC, segment_id), json.dumps(record).encode())
+        await self.store.put(self.keys.load(TOPIC, segment_id), load_json(msg_in))
 
 
 @pytest.fixture

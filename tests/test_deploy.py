@@ -43,7 +43,13 @@ from controllerd.core.model import Layout, TopicName
 from controllerd.core.view import Keys
 from controllerd.daemon.metrics import Metrics
 from controllerd.daemon.runtime import SHUTDOWN_DEADLINE
-from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
+from tests.support.broker import (
+    TestBrokerState,
+    layout_json,
+    load_json,
+    mirror_into,
+    serve_test_broker,
+)
 from tests.support.daemon import Replica, wait_until, write_config
 from tests.support.etcd import EtcdServer
 from tests.support.kafka import free_port
@@ -721,16 +727,7 @@ class Supervised:
         return layout
 
     async def put_load(self, msg_rate_in: float) -> None:
-        now = int(time.time() * 1000)
-        record = {
-            "msgRateIn": msg_rate_in,
-            "byteRateIn": 0.0,
-            "msgRateOut": 0.0,
-            "byteRateOut": 0.0,
-            "changedAtMs": now,
-            "sampledAtMs": now,
-        }
-        await self.store.put(self.keys.load(TOPIC, 0), json.dumps(record).encode())
+        await self.store.put(self.keys.load(TOPIC, 0), load_json(msg_rate_in))
 
     async def metric(self, name: str, **labels: str) -> float:
         return await self.replica.metric(name, **labels) or 0.0

@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +24,13 @@ from controllerd.adapters import backoff
 from controllerd.adapters.store import Store
 from controllerd.core.model import Layout, TopicName
 from controllerd.core.view import Keys
-from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
+from tests.support.broker import (
+    TestBrokerState,
+    layout_json,
+    load_json,
+    mirror_into,
+    serve_test_broker,
+)
 from tests.support.daemon import Replica, wait_until, write_config
 from tests.support.faulty_http import FaultyHttp, serve_faulty_http
 from tests.support.kafka import free_port
@@ -159,16 +163,7 @@ class Chaos:
         return layout.segments[0].descriptor
 
     async def put_load(self, segment_id: int, msg_in: float, topic: TopicName = TOPIC) -> None:
-        now = int(time.time() * 1000)
-        record = {
-            "msgRateIn": msg_in,
-            "byteRateIn": 0.0,
-            "msgRateOut": 0.0,
-            "byteRateOut": 0.0,
-            "changedAtMs": now,
-            "sampledAtMs": now,
-        }
-        await self.store.put(self.keys.load(topic, segment_id), json.dumps(record).encode())
+        await self.store.put(self.keys.load(topic, segment_id), load_json(msg_in))
 
     def active(self, topic: TopicName = TOPIC) -> int:
         layout = self.broker.topics.get(topic)

@@ -517,6 +517,24 @@ def layout_json(layout: Layout) -> bytes:
     return json.dumps(layout_to_json(layout)).encode()
 
 
+def load_json(msg_in: float, changed_ms: int | None = None, sampled_ms: int | None = None) -> bytes:
+    """A load record with only ``msgRateIn`` set, as a reporter writes it (DESIGN §4).
+
+    Both time stamps default to now (wall clock, as the daemon under test reads it).
+    """
+    now = int(time.time() * 1000)
+    return json.dumps(
+        {
+            "msgRateIn": msg_in,
+            "byteRateIn": 0.0,
+            "msgRateOut": 0.0,
+            "byteRateOut": 0.0,
+            "changedAtMs": now if changed_ms is None else changed_ms,
+            "sampledAtMs": now if sampled_ms is None else sampled_ms,
+        }
+    ).encode()
+
+
 def mirror_into(store: Store, keys: Keys) -> LayoutHook:
     """A hook that writes every layout to etcd as a Pulsar broker would (deletes on delete)."""
 

@@ -5,8 +5,6 @@ it writes into etcd as a Pulsar broker does."""
 from __future__ import annotations
 
 import contextlib
-import json
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from tests.support.broker import (
     EtcdFence,
     TestBrokerState,
     layout_json,
+    load_json,
     mirror_into,
     serve_test_broker,
 )
@@ -59,16 +58,7 @@ class Cluster:
         return layout
 
     async def put_load(self, segment_id: int, msg_in: float, topic: TopicName = TOPIC) -> None:
-        now = int(time.time() * 1000)
-        record = {
-            "msgRateIn": msg_in,
-            "byteRateIn": 0.0,
-            "msgRateOut": 0.0,
-            "byteRateOut": 0.0,
-            "changedAtMs": now,
-            "sampledAtMs": now,
-        }
-        await self.store.put(self.keys.load(topic, segment_id), json.dumps(record).encode())
+        await self.store.put(self.keys.load(topic, segment_id), load_json(msg_in))
 
 
 @contextlib.asynccontextmanager

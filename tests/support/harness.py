@@ -12,7 +12,6 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
@@ -27,7 +26,13 @@ from controllerd.daemon.clock import ManualClock
 from controllerd.daemon.controller import Controller
 from controllerd.daemon.follower import Follower
 from controllerd.daemon.metrics import Metrics
-from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
+from tests.support.broker import (
+    TestBrokerState,
+    layout_json,
+    load_json,
+    mirror_into,
+    serve_test_broker,
+)
 
 TOPIC = TopicName("acme", "ns", "orders")
 
@@ -105,15 +110,12 @@ class Harness:
         sampled_ms: int | None = None,
     ) -> None:
         now = self.clock.now_ms()
-        record: dict[str, Any] = {
-            "msgRateIn": msg_in,
-            "byteRateIn": 0.0,
-            "msgRateOut": 0.0,
-            "byteRateOut": 0.0,
-            "changedAtMs": now if changed_ms is None else changed_ms,
-            "sampledAtMs": now if sampled_ms is None else sampled_ms,
-        }
-        await self.store.put(self.keys.load(topic, segment_id), json.dumps(record).encode())
+        record = load_json(
+            msg_in,
+            now if changed_ms is None else changed_ms,
+            now if sampled_ms is None else sampled_ms,
+        )
+        await self.store.put(self.keys.load(topic, segment_id), record)
 
     def set_config(self, config: config_mod.Config) -> None:
         """What a SIGHUP reload does: the controller reads the new one from now on."""
