@@ -469,44 +469,33 @@ def expected_spread(shards: int, members: int, rng: random.Random, draws: int = 
     return sorted(out)
 
 
-async def timed_kill(ctx: Context, pool: Pool, log: MemberLog, within: float) -> None:
+async def timed_departure(
+    ctx: Context, pool: Pool, log: MemberLog, within: float, sig: signal.Signals
+) -> None:
+    """Signal a random member (SIGKILL, or SIGTERM for a graceful leave), time until the
+    others own every shard, then bring it back (:func:`timed_join`)."""
+    killed = sig == signal.SIGKILL
+    what = "kill -9" if killed else "SIGTERM"
     members = pool.live()
     before = await pool.settled(members)
     assert before is not None
     victim = ctx.rng.choice(members)
     victim_id = pool.ids[victim.name]
     start = time.monotonic()
-    victim.signal(signal.SIGKILL)
+    victim.signal(sig)
     rest = [r for r in members if r is not victim]
-    done = await pool.wait_settled(rest, within=within)
+    # A graceful leaver still counts while it hands over; a killed one is simply gone.
+    done = await pool.wait_settled(rest, [] if killed else [victim], within=within)
     if done is None:
-        raise RuntimeError("kill -9: the survivors did not take every shard in time")
+        raise RuntimeError(f"{what}: the others did not take every shard in time")
     at, after = done
     moved = moved_shards(before, after)
-    ctx.rebalances.append(Rebalance("kill -9: signal -> settled", at - start, len(moved)))
+    label = "kill -9: signal -> settled" if killed else "graceful leave: SIGTERM -> settled"
+    ctx.rebalances.append(Rebalance(label, at - start, len(moved)))
     ctx.rebalances[-1].minimal = moved == before[victim.name]
-    expired = log.first("delete", start, victim_id)
+    expired = log.first("delete", start, victim_id) if killed else None
     if expired is not None:
         ctx.rebalances.append(Rebalance("kill -9: lease expired -> settled", at - expired))
-    await pool.reap(victim)
-    await timed_join(ctx, pool, log, within, victim)
-
-
-async def timed_leave(ctx: Context, pool: Pool, log: MemberLog, within: float) -> None:
-    members = pool.live()
-    before = await pool.settled(members)
-    assert before is not None
-    victim = ctx.rng.choice(members)
-    start = time.monotonic()
-    victim.signal(signal.SIGTERM)
-    rest = [r for r in members if r is not victim]
-    done = await pool.wait_settled(rest, [victim], within=within)
-    if done is None:
-        raise RuntimeError("SIGTERM: the others did not take every shard in time")
-    at, after = done
-    moved = moved_shards(before, after)
-    ctx.rebalances.append(Rebalance("graceful leave: SIGTERM -> settled", at - start, len(moved)))
-    ctx.rebalances[-1].minimal = moved == before[victim.name]
     await pool.reap(victim)
     await timed_join(ctx, pool, log, within, victim)
 
@@ -956,8 +945,8 @@ async def sharded_phases(ctx: Context) -> None:
                 if "rebalance" in phases:
                     within = args.settle_timeout
                     for _ in range(args.rounds):
-                        await timed_kill(ctx, pool, log, within)
-                        await timed_leave(ctx, pool, log, within)
+                        await timed_departure(ctx, pool, log, within, signal.SIGKILL)
+                        await timed_departure(ctx, pool, log, within, signal.SIGTERM)
                     print_rebalances(
                         ctx,
                         f"Rebalance, idle: 3 replicas, {args.shards} shards, lease TTL "
