@@ -571,9 +571,10 @@ class Controller:
                 if self.leads(topic):
                     led += 1
                     state = self.view.topics.get(topic)
-                    if state is not None and self._pulsar_owns(state):
+                    policy = self.resolved_policy(state) if state is not None else None
+                    if isinstance(policy, PolicyInvalid) and policy.detail == PULSAR_OWNS:
                         pulsar_owned += 1
-                    if not full and state is not None and self._is_quiet(state):
+                    if not full and state is not None and self._is_quiet(state, policy):
                         quiet += 1
                     else:
                         self.trigger(topic, urgent=False)
@@ -583,11 +584,11 @@ class Controller:
             self._metrics.pulsar_autoscaler_topics.set(pulsar_owned)
             log.debug("tick", led=led, evaluated=led - quiet, quiet=quiet, full_pass=full)
 
-    def _is_quiet(self, state: TopicState) -> bool:
+    def _is_quiet(self, state: TopicState, policy: object) -> bool:
+        """Whether the topic was quiet at its last evaluation, on these inputs and ``policy``
+        (the topic's :meth:`resolved_policy`)."""
         seen = self._quiet.get(state.name)
-        return (
-            seen is not None and seen[0] == state.version and seen[1] is self.resolved_policy(state)
-        )
+        return seen is not None and seen[0] == state.version and seen[1] is policy
 
     def _note_quiet(
         self,
@@ -626,10 +627,6 @@ class Controller:
             self._quiet[state.name] = (state.version, policy)
         else:
             self._quiet.pop(state.name, None)
-
-    def _pulsar_owns(self, state: TopicState) -> bool:
-        policy = self.resolved_policy(state)
-        return isinstance(policy, PolicyInvalid) and policy.detail == PULSAR_OWNS
 
     # -- evaluation -----------------------------------------------------------------------
 
