@@ -58,7 +58,9 @@ async def settled(cluster: Cluster, members: int) -> bool:
         return False
     for replica in cluster.replicas:
         status = await replica.status() if replica.alive() else None
-        if status is not None and len(status["shards"]["members"]) != members:
+        # A replica that has just started answers /status before it has joined: no
+        # "shards" yet, so not settled.
+        if status is not None and len(status.get("shards", {}).get("members", ())) != members:
             return False
     return True
 
