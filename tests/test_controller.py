@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, cast
 
 import anyio
 import pytest
 
+from controllerd.adapters import store as store_module
 from controllerd.adapters.audit import AuditSink
 from controllerd.adapters.election import Leadership, current_leader
-from controllerd.adapters.store import Store, open_store
-from controllerd.core.layout import prune
+from controllerd.adapters.store import KeyValue, Store, open_store
+from controllerd.core.layout import initial_layout, prune
 from controllerd.core.model import Decision, PolicySettings, TopicName, layout_from_json
+from controllerd.core.view import Keys
 from controllerd.daemon.controller import Controller
 from tests.support.broker import layout_json
 from tests.support.etcd import EtcdServer
 from tests.support.harness import TOPIC, Harness, eventually, make_config, open_harness
-from tests.support.populate import populate, topic_names
+from tests.support.populate import load_record, populate, topic_names
 
 HOT = 30_000.0  # 3x the default split threshold
 COLD = 10.0
@@ -633,3 +635,82 @@ async def test_a_reload_keeps_resolved_policies_unless_the_policy_changed(
         after = h.controller.resolved_policy(state)
         assert after is not before
         assert isinstance(after, PolicySettings) and after.merge_window_seconds == 60
+
+
+# --- acting while the first load runs (issue #12: 100k topics took 72 s to load) -------------
+
+
+class GatedPages:
+    """A store that hands out pages of ``prefix`` only as the test allows them."""
+
+    def __init__(self, store: Store, prefix: str) -> None:
+        self._store, self._prefix = store, prefix
+        self._allowed = 0
+        self._changed = anyio.Event()
+
+    def allow(self, pages: int) -> None:
+        self._allowed += pages
+        self._changed.set()
+
+    async def iter_prefix(self, prefix: str) -> AsyncIterator[tuple[list[KeyValue], int]]:
+        sent = 0
+        async for page in self._store.iter_prefix(prefix):
+            while prefix == self._prefix and sent >= self._allowed:
+                self._changed = anyio.Event()
+                await self._changed.wait()
+            yield page
+            sent += 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def decisions_made(h: Harness) -> float:
+    return sum(
+        sample.value
+        for family in h.metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == "controllerd_decisions_total"
+    )
+
+
+def splits_of(h: Harness, topic: TopicName) -> int:
+    return sum(
+        1 for r in h.broker_state.requests if "/split/" in r.path and f"/{topic.topic}/" in r.path
+    )
+
+
+async def test_a_leader_acts_on_whole_topics_while_the_rest_still_loads(
+    etcd_server: EtcdServer, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "PAGE_SIZE", 20)  # 7 keys a topic: pages end inside one
+    cfg = make_config(etcd_prefix, "")
+    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
+    topics = sorted(topic_names(20, namespaces=20), key=keys.layout)
+    first, last = topics[0], topics[-1]
+    async with open_store([etcd_server.endpoint], timeout=2.0) as store:
+        await populate(store, keys, topics, segments=4, now_ms=0)
+        for hot in (first, last):
+            await store.put(keys.load(hot, 0), load_record(HOT))
+        gated = GatedPages(store, keys.topics_prefix)
+        async with open_harness(
+            etcd_server.endpoint,
+            etcd_prefix,
+            store=cast(Store, gated),
+            lead_while_loading=True,
+        ) as h:
+            for topic in topics:
+                h.broker_state.topics[topic] = initial_layout(4, 0)
+            gated.allow(1)  # the first two topics whole, the third begun
+            await eventually(lambda: splits_of(h, first) == 1)
+            await eventually(lambda: not h.controller.status()["queued"])
+            await eventually(lambda: not h.controller.status()["in_flight"])
+            assert h.controller.partial
+            assert decisions_made(h) == 2  # the two whole topics, nothing else
+            await h.controller.gc_round()  # GC waits for the whole view
+            assert not any("/backlog" in r.path for r in h.broker_state.requests)
+            gated.allow(100)
+            await eventually(lambda: splits_of(h, last) == 1)
+            await eventually(lambda: decisions_made(h) >= len(topics))
+            assert not h.controller.partial
+            assert splits_of(h, first) == 1

@@ -9,7 +9,7 @@ import anyio
 import pytest
 import structlog
 
-from controllerd.adapters.election import Leadership, current_leader, fenced, lead
+from controllerd.adapters.election import Leadership, current_leader, fenced, lead, wait_for_turn
 from controllerd.adapters.store import Put, Store, open_store
 from tests.support.etcd import (  # noqa: F401 - fixtures
     EtcdServer,
@@ -231,3 +231,22 @@ async def test_standby_is_cancellable_and_ttl_is_validated(
     # The standby's lease was revoked on the way out; A's key was deleted.
     assert await store.keepalive_once(entry["lease"], timeout=2.0) <= 0
     assert await current_leader(store, key) is None
+
+
+async def test_a_loading_replica_defers_to_a_leader_and_campaigns_after_a_lasting_vacancy(
+    store: Store, etcd_prefix: str
+) -> None:
+    key = f"{etcd_prefix}leader"
+    ready = anyio.Event()
+    async with lead(store, key, {"replica": "warm"}, ttl=5):
+        with anyio.move_on_after(1.0) as waited:  # a leader: 10 grace periods pass, no turn
+            await wait_for_turn(store, key, ready, grace=0.1, poll=0.02)
+        assert waited.cancelled_caught
+    started = anyio.current_time()  # resigned: vacant from now on
+    with anyio.fail_after(5):
+        await wait_for_turn(store, key, ready, grace=0.3, poll=0.02)
+    assert anyio.current_time() - started >= 0.3
+    async with lead(store, key, {"replica": "warm"}, ttl=5):
+        ready.set()  # the view is whole: its turn, leader or not (lead() then waits)
+        with anyio.fail_after(1):
+            await wait_for_turn(store, key, ready, grace=60, poll=60)

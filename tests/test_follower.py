@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import anyio
 
+from controllerd.adapters import store as store_module
 from controllerd.adapters.store import KeyValue, SnapshotCompacted, Store, StoreUnavailable
+from controllerd.core.model import TopicName
 from controllerd.core.view import Keys, MetadataView
 from controllerd.daemon import follower as follower_module
 from controllerd.daemon.clock import ManualClock
@@ -62,3 +64,44 @@ async def test_a_load_that_fails_midway_starts_over_and_ends_complete(
         assert len(view.topics) == 200
         assert all(len(state.loads) == 4 for state in view.topics.values())
         assert follower.stats.reloads == (1 if isinstance(error, SnapshotCompacted) else 0)
+
+
+async def test_a_topic_is_reported_whole_only_once_every_key_it_has_is_in_the_view(
+    store: Store, etcd_prefix: str, monkeypatch: Any
+) -> None:
+    """Pages end inside topics; ``a``'s keys sort after ``a-2``'s and ``a.b``'s."""
+    monkeypatch.setattr(store_module, "PAGE_SIZE", 5)
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd/default")
+    tricky = [TopicName("tn", "ns", name) for name in ("a", "a-2", "a.b", "ab", "a-")]
+    names = tricky + topic_names(12, namespaces=3)
+    await populate(store, keys, names, segments=3)  # 6 keys a topic
+    view = MetadataView(keys)
+    reports: list[list[TopicName] | None] = []
+
+    def on_whole(topics: Sequence[TopicName] | None) -> None:
+        reports.append(None if topics is None else list(topics))
+        for topic in topics or ():
+            state = view.topics[topic]
+            assert state.layout is not None, topic
+            assert len(state.loads) == 3, topic
+            assert state.consumer_counts() == {"sub": 1}, topic
+
+    follower = Follower(
+        store,
+        view,
+        [keys.topics_prefix],
+        lambda _: None,
+        ManualClock(),
+        whole_prefix=keys.topics_prefix,
+        on_whole=on_whole,
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follower.run)
+        with anyio.fail_after(30):
+            await follower.synced.wait()
+        tg.cancel_scope.cancel()
+    assert reports[-1] is None and None not in reports[:-1]
+    reported = [topic for report in reports[:-1] for topic in report or ()]
+    assert len(reported) == len(set(reported))  # once each
+    assert len(reported) >= len(names) - 2  # as the pages came, not all at the end
+    assert len(reports) > 10

@@ -53,7 +53,7 @@ from controllerd.adapters.store import (
     WatchCompacted,
 )
 
-__all__ = ["Leadership", "current_leader", "fenced", "lead"]
+__all__ = ["Leadership", "current_leader", "fenced", "lead", "wait_for_turn"]
 
 log = structlog.get_logger(__name__)
 
@@ -379,6 +379,36 @@ async def _resign(
         log.info("election.resigned", key=key, token=token, deleted_key=deleted)
     elif lease is not None:
         log.info("election.withdrawn", key=key, lease=lease.id)
+
+
+async def wait_for_turn(
+    store: Store, key: str, ready: anyio.Event, *, grace: float, poll: float
+) -> None:
+    """Return once ``ready`` is set, or once ``key`` has had no holder for ``grace`` s.
+
+    For a replica whose view is still loading: a warm standby takes a vacancy
+    within milliseconds of seeing it, so a loading replica defers to it; when
+    every replica is loading (a cold start of the cluster, or a lone replica)
+    the first to outwait the grace campaigns. An unreadable key counts as held.
+    """
+    vacant_since: float | None = None
+    while not ready.is_set():
+        try:
+            vacant = await current_leader(store, key) is None
+        except StoreError:
+            vacant = False
+        now = anyio.current_time()
+        if not vacant:
+            vacant_since = None
+        elif vacant_since is None:
+            vacant_since = now
+        elif now - vacant_since >= grace:
+            log.info(
+                "election.campaign_while_loading", key=key, vacant_s=round(now - vacant_since, 3)
+            )
+            return
+        with anyio.move_on_after(poll):
+            await ready.wait()
 
 
 @asynccontextmanager

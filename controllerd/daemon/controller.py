@@ -24,7 +24,12 @@ Invariants:
 * a held-back decision (split or merge cooldown, whoever stamped it)
   schedules exactly one follow-up evaluation when the cooldown ends;
 * loops over all topics run in slices and yield, so the event loop never
-  stalls on 100,000 topics.
+  stalls on 100,000 topics;
+* while the first load runs (:meth:`start_partial`), a topic counts as led
+  only once the follower reported every key it can have as loaded
+  (:meth:`whole`): at 100,000 topics a leader acts on the first topics
+  seconds after it starts instead of after the whole load, and never on a
+  topic it has seen only part of. GC waits for the whole view.
 """
 
 from __future__ import annotations
@@ -225,6 +230,9 @@ class Controller:
         self._writes: dict[str, tuple[bytes | None, Scope]] = {}
         self._write_wake = anyio.Event()
         self._running = False
+        # While the first load runs: the topics whose keys are all in the view, the
+        # only ones we may act on. None once the view is whole (or never partial).
+        self._whole: set[TopicName] | None = None
         self.ready = anyio.Event()
 
     # -- scopes ---------------------------------------------------------------------------
@@ -238,7 +246,10 @@ class Controller:
         return shard
 
     def leadership_for(self, topic: TopicName) -> Leadership | None:
-        """The leadership to act on ``topic`` with, only while it is valid."""
+        """The leadership to act on ``topic`` with, only while it is valid (and the
+        topic is whole in the view)."""
+        if self._whole is not None and topic not in self._whole:
+            return None
         leadership = self._scopes.get(self.scope_of(topic))
         return leadership if leadership is not None and leadership.is_leader() else None
 
@@ -248,6 +259,30 @@ class Controller:
     @property
     def scopes(self) -> Mapping[Scope, Leadership]:
         return self._scopes
+
+    def start_partial(self) -> None:
+        """The view is about to be loaded: act on no topic until :meth:`whole` says so."""
+        self._whole = set()
+
+    def whole(self, topics: Iterable[TopicName] | None) -> None:
+        """``topics`` are now whole in the view (``None``: every topic, for good);
+        queue the ones we lead for a first evaluation."""
+        if self._whole is None:
+            return
+        if topics is None:
+            newly = [t for t in self.view.topics if t not in self._whole]
+            self._whole = None
+        else:
+            newly = list(topics)
+            self._whole.update(newly)
+        for topic in newly:
+            if self.leads(topic):
+                self.trigger(topic, urgent=False)
+
+    @property
+    def partial(self) -> bool:
+        """Whether the first load still runs (only whole topics are acted on)."""
+        return self._whole is not None
 
     def grant(self, scope: Scope, leadership: Leadership) -> None:
         """We now lead ``scope``: evaluate every topic in it (in the background).
@@ -1067,7 +1102,7 @@ class Controller:
 
     async def gc_round(self) -> None:
         """Finish deletes left behind, then prune every led topic's drained sealed segments."""
-        if not self._config().gc_enabled or not self._scopes:
+        if not self._config().gc_enabled or not self._scopes or self.partial:
             return
         # The markers are GC's durable to-do list: read them afresh (not from the watch,
         # which may lag), each through the same parsing boundary as every etcd value.

@@ -12,13 +12,18 @@ Invariants:
 * the loop yields between pages and between watch batches, so a 100k-topic
   load never stalls the event loop for more than one page's work;
 * a compaction under the watch reloads that prefix from scratch; an etcd
-  outage only delays (the store's watch resumes from its last event).
+  outage only delays (the store's watch resumes from its last event);
+* during the first load of the topics prefix, ``on_whole`` hears of each topic
+  once every key it can have has been applied (its keys sort between its layout
+  key and that key + ``"0"``, the byte after ``/``), and then ``None`` when the
+  view is whole: a leader may act on those topics before the load ends.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -34,7 +39,8 @@ from controllerd.adapters.store import (
     StoreError,
     WatchCompacted,
 )
-from controllerd.core.view import MetadataView, Outcome
+from controllerd.core.model import TopicName
+from controllerd.core.view import Change, MetadataView, Outcome
 from controllerd.daemon.clock import Clock
 
 log = structlog.get_logger("controllerd.daemon.follower")
@@ -61,7 +67,9 @@ class Follower:
     """Loads and follows ``prefixes`` into ``view``; calls ``on_outcome`` for each value.
 
     ``synced`` is set once every prefix is loaded (the view then describes one
-    consistent revision per prefix and the watches run).
+    consistent revision per prefix and the watches run). Prefixes load in the
+    order given; ``whole_prefix`` (the topics prefix) should come last, so the
+    controller-owned state of a topic is in the view before it is reported whole.
     """
 
     def __init__(
@@ -71,12 +79,17 @@ class Follower:
         prefixes: list[str],
         on_outcome: Callable[[Outcome], None],
         clock: Clock,
+        *,
+        whole_prefix: str | None = None,
+        on_whole: Callable[[Sequence[TopicName] | None], None] | None = None,
     ) -> None:
         self._store = store
         self._view = view
         self._prefixes = prefixes
         self._on_outcome = on_outcome
         self._clock = clock
+        self._whole_prefix = whole_prefix
+        self._on_whole = on_whole
         self.synced = anyio.Event()
         self.stats = FollowerStats()
 
@@ -91,6 +104,8 @@ class Follower:
             seconds=round(self.stats.load_seconds, 3),
             topics=len(self._view.topics),
         )
+        if self._on_whole is not None:
+            self._on_whole(None)
         self.synced.set()
         async with anyio.create_task_group() as tg:
             for prefix, revision in zip(self._prefixes, revisions, strict=True):
@@ -146,6 +161,14 @@ class Follower:
         revision = 0
         apply_put, note = self._view.apply_put, self._on_outcome
         held = set(self._view.keys_held(prefix))  # empty on the first load
+        # (bound, topic) for each layout applied and not yet reported whole
+        pending: deque[tuple[str, TopicName]] | None = (
+            deque()
+            if self._on_whole is not None
+            and prefix == self._whole_prefix
+            and not self.synced.is_set()
+            else None
+        )
         send, receive = anyio.create_memory_object_stream[tuple[list[KeyValue], int]](
             READ_AHEAD_PAGES
         )
@@ -159,15 +182,38 @@ class Follower:
                     for kv in page[start : start + SLICE]:
                         if held:
                             held.discard(kv.key)
-                        note(apply_put(kv.key, kv.value, kv.mod_revision, now))
+                        outcome = apply_put(kv.key, kv.value, kv.mod_revision, now)
+                        note(outcome)
+                        if (
+                            pending is not None
+                            and type(outcome) is Change
+                            and outcome.kind == "layout"
+                            and outcome.topic is not None
+                        ):
+                            pending.append((kv.key + "0", outcome.topic))
                     await anyio.lowlevel.checkpoint()
                 self.stats.keys_loaded += len(page)
+                if pending and page:
+                    self._report_whole(pending, page[-1].key)
         if failed:
             raise failed[0]
         for key in sorted(held, reverse=True):  # deleted while we did not watch
             note(self._view.apply_delete(key))
         self.stats.prefixes[prefix] = revision
         return revision
+
+    def _report_whole(self, pending: deque[tuple[str, TopicName]], last_key: str) -> None:
+        """Report the topics whose every possible key sorts at or before ``last_key``.
+
+        Taken in layout-key order, stopping at the first topic not yet whole: a
+        topic whose name extends another's with a byte below ``/`` (``a`` and
+        ``a-2``) is held back until its elder is whole; later, never wrongly.
+        """
+        whole: list[TopicName] = []
+        while pending and pending[0][0] <= last_key:
+            whole.append(pending.popleft()[1])
+        if whole and self._on_whole is not None:
+            self._on_whole(whole)
 
     async def _follow(self, prefix: str, revision: int) -> None:
         view, note = self._view, self._on_outcome

@@ -9,8 +9,10 @@ Workers (all named, all owned by one task group):
 * ``loop-monitor``: measures how long the event loop stalls.
 * ``follower``: loads and follows etcd into the view, leader or not (hot standby).
 * ``controller``: acts on the topics of the scopes we lead.
-* ``elector``: once the view is loaded, campaigns; grants the controller the
-  scope while the lease holds and revokes it the moment it does not.
+* ``elector``: once the view is loaded (or, while it loads, once the leader
+  key has stayed vacant for :data:`LOADING_GRACE`), campaigns; grants the
+  controller the scope while the lease holds and revokes it the moment it
+  does not.
 
 Exit statuses (``controllerd.errors``): 0 after SIGTERM/SIGINT; 2 when the
 configuration cannot work (e.g. the ops port is taken); 3 when etcd refuses our
@@ -42,7 +44,7 @@ from controllerd import config as config_mod
 from controllerd.adapters import backoff, sdnotify
 from controllerd.adapters.audit import AuditSink, open_audit
 from controllerd.adapters.broker import BrokerClient, as_profile
-from controllerd.adapters.election import Leadership, current_leader, lead
+from controllerd.adapters.election import Leadership, current_leader, lead, wait_for_turn
 from controllerd.adapters.membership import ShardMembership
 from controllerd.adapters.secrets import read_secret
 from controllerd.adapters.store import Store, StoreError, StoreUnavailable, open_store
@@ -64,6 +66,11 @@ SHUTDOWN_DEADLINE: Final = 10.0
 PROBE_INTERVAL: Final = 1.0
 #: Seconds between the loop monitor's wake-ups; a later wake-up is a stall.
 LOOP_TICK: Final = 0.05
+#: Seconds the leader key must stay vacant before a replica still loading campaigns
+#: (a warm standby takes a vacancy in milliseconds; see ``election.wait_for_turn``).
+LOADING_GRACE: Final = 2.0
+#: Seconds between a loading replica's looks at the leader key.
+LOADING_POLL: Final = 0.5
 #: Seconds between warnings while the metadata prefix holds no topic.
 EMPTY_PREFIX_WARNING: Final = 600.0
 
@@ -373,16 +380,19 @@ class Daemon:
             shards=shards,
             on_operator_error=self._operator_error,
         )
+        controller.start_partial()
         follower = Follower(
             store,
             view,
             [
-                self.keys.topics_prefix,
                 self.keys.controller_prefix,
                 self.keys.pulsar_policies_prefix,
+                self.keys.topics_prefix,
             ],
             controller.note,
             self.clock,
+            whole_prefix=self.keys.topics_prefix,
+            on_whole=controller.whole,
         )
         self._controller, self._follower = controller, follower
         async with anyio.create_task_group() as workers:
@@ -548,9 +558,15 @@ class Daemon:
             self._broker_auth_error = None
 
     async def _elect(self, store: Store, controller: Controller, follower: Follower) -> None:
-        """Campaign once the view is warm; lead until the lease cannot be vouched for."""
-        await follower.synced.wait()
+        """Campaign once the view is warm, or earlier for a vacancy no warm replica took;
+        lead until the lease cannot be vouched for."""
         await controller.ready.wait()
+        if self.config.election.mode == "sharded":
+            await follower.synced.wait()
+        else:
+            await wait_for_turn(
+                store, self.keys.leader, follower.synced, grace=LOADING_GRACE, poll=LOADING_POLL
+            )
         identity = {
             "replica": self.replica,
             "pid": os.getpid(),

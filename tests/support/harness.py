@@ -150,8 +150,14 @@ async def open_harness(
     store: Store | None = None,
     controller_class: type[Controller] = Controller,
     leadership: Leadership | None = None,
+    lead_while_loading: bool = False,
 ) -> AsyncIterator[Harness]:
-    """A running leader; leaves by cancelling it (resigning the lease)."""
+    """A running leader; leaves by cancelling it (resigning the lease).
+
+    It leads once the view is loaded, or with ``lead_while_loading`` at once
+    (as a replica that found no leader does; the load may still run when the
+    harness is yielded).
+    """
     cfg = make_config(prefix, extra_config, settle=settle, interval=interval, profile=profile)
     keys = Keys(cfg.metadata_prefix, cfg.controller_root)
     state = TestBrokerState(profile="reference" if profile == "reference" else "pulsar")
@@ -184,18 +190,22 @@ async def open_harness(
             clock=clock,
             replica=replica,
         )
+        controller.start_partial()  # wired as the runtime wires it
         follower = Follower(
             store,
             view,
-            [keys.topics_prefix, keys.controller_prefix, keys.pulsar_policies_prefix],
+            [keys.controller_prefix, keys.pulsar_policies_prefix, keys.topics_prefix],
             controller.note,
             clock,
+            whole_prefix=keys.topics_prefix,
+            on_whole=controller.whole,
         )
         harness = Harness(cfg, keys, store, state, broker, clock, metrics, leadership, controller)
         box.append(harness)
         async with anyio.create_task_group() as tg:
             tg.start_soon(follower.run)
-            await follower.synced.wait()
+            if not lead_while_loading:
+                await follower.synced.wait()
             controller.grant(None, leadership)
             tg.start_soon(controller.run)
             await controller.ready.wait()
