@@ -8,9 +8,10 @@ one consumer each; ``tests/support/populate.py``), starts a leader
 process, mirroring layouts into etcd) and a standby, and prints:
 
 * populate time; load time (``/status`` ``metadata.load_seconds``);
-* start -> first decision, and -> first *full evaluation*: the sum of
-  ``controllerd_decisions_total`` reaches N, i.e. every topic was decided once
-  (every decision is counted, ``balanced`` ones included);
+* start -> first decision (``controllerd_decisions_total`` > 0; a lone
+  replica leads while it loads and decides each topic once it is wholly
+  loaded), and -> first *full evaluation*: ``/status`` ``first_pass_remaining``
+  is 0, i.e. the view is loaded and every topic was decided at least once;
 * RSS per topic: the leader's ``VmRSS`` after the full evaluation minus the RSS
   of a leader of 0 topics (measured first), over N;
 * tick: wall time and CPU seconds of the leader from the first decision of the
@@ -168,6 +169,12 @@ class Probe:
 
     async def decisions(self) -> float:
         return (await self.metrics()).get("controllerd_decisions_total", 0.0)
+
+
+async def first_pass_done(probe: Probe, status: dict[str, Any] | None = None) -> bool:
+    """Whether the replica leads, its view is loaded and it evaluated every topic once."""
+    status = status if status is not None else await probe.status()
+    return bool(status and status.get("leader") and status.get("first_pass_remaining") == 0)
 
 
 async def poll(
@@ -416,8 +423,8 @@ async def start_leader(bench: Bench, n: int, out: dict[str, Any]) -> None:
         now = time.monotonic()
         if first is None and total >= 1:
             first = now - t0
-        if total >= n:
-            out["full_evaluation_s"] = now - t0
+        if first is not None and await first_pass_done(probe):
+            out["full_evaluation_s"] = time.monotonic() - t0
             break
         await anyio.sleep(0.1)
     bench.profiler.stop()
@@ -731,7 +738,6 @@ async def takeover(
     gap = TopicName("gap", label, "t")
     await prepare_topic(bench, gap)
     await anyio.sleep(0.5)
-    topics_now = (await probe.status() or {}).get("topics", n)
     signalled = time.monotonic()
     bench.replicas[old].signal(sig)
     await bench.store.put(bench.keys.consumer(gap, "s", "c2"), b"{}")  # in the gap
@@ -746,7 +752,7 @@ async def takeover(
             total = await probe.decisions()
             if marks["decision"] is None and total > decided:
                 marks["decision"] = now
-            if marks["full"] is None and total >= decided + topics_now:
+            if marks["full"] is None and await first_pass_done(probe, status):
                 marks["full"] = now
         if marks["action"] is None and split_requests(bench, gap):
             marks["action"] = split_requests(bench, gap)[0].at - signalled

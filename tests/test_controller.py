@@ -706,11 +706,48 @@ async def test_a_leader_acts_on_whole_topics_while_the_rest_still_loads(
             await eventually(lambda: not h.controller.status()["queued"])
             await eventually(lambda: not h.controller.status()["in_flight"])
             assert h.controller.partial
+            assert h.controller.status()["first_pass_remaining"] is None  # not known yet
             assert decisions_made(h) == 2  # the two whole topics, nothing else
             await h.controller.gc_round()  # GC waits for the whole view
             assert not any("/backlog" in r.path for r in h.broker_state.requests)
             gated.allow(100)
             await eventually(lambda: splits_of(h, last) == 1)
-            await eventually(lambda: decisions_made(h) >= len(topics))
+            await eventually(lambda: h.controller.status()["first_pass_remaining"] == 0)
+            assert decisions_made(h) >= len(topics)
             assert not h.controller.partial
             assert splits_of(h, first) == 1
+
+
+async def test_topics_without_overrides_of_their_own_share_one_resolved_policy(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Resolved once per namespace, not per topic; an override of its own, or a changed
+    namespace override, is seen at once."""
+    a, b, c = (TopicName("acme", ns, name) for ns, name in (("ns", "a"), ("ns", "b"), ("x", "c")))
+
+    def resolved(topic: TopicName) -> PolicySettings:
+        policy = h.controller.resolved_policy(h.controller.view.topics[topic])
+        assert isinstance(policy, PolicySettings)
+        return policy
+
+    async def override(key: str, seconds: int) -> None:
+        await h.store.put(key, json.dumps({"splitCooldownSeconds": seconds}).encode())
+        wanted = {"splitCooldownSeconds": seconds}
+        await eventually(lambda: h.controller.view.overrides.get(scope_of(key)) == wanted)
+
+    def scope_of(key: str) -> tuple[str, str | None, str | None]:
+        parts = key.split("/policies/")[1].split("/")
+        return (parts[0], parts[1], parts[2] if len(parts) > 2 else None)
+
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        for topic in (a, b, c):
+            await h.add_topic(topic)
+        await eventually(lambda: all(h.view_layout(t) is not None for t in (a, b, c)))
+        await override(h.keys.policy("acme", "ns"), 5)
+        assert resolved(a) is resolved(b)
+        assert resolved(a).split_cooldown_seconds == 5
+        assert resolved(c).split_cooldown_seconds != 5
+        await override(h.keys.policy("acme", "ns", "b"), 7)
+        assert (resolved(a).split_cooldown_seconds, resolved(b).split_cooldown_seconds) == (5, 7)
+        await override(h.keys.policy("acme", "ns"), 9)
+        assert (resolved(a).split_cooldown_seconds, resolved(b).split_cooldown_seconds) == (9, 7)

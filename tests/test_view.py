@@ -181,6 +181,46 @@ def test_a_load_table_gives_back_every_sample_it_holds(puts: list[tuple[int, Loa
     assert table.samples() == expected
 
 
+_table_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 20), _samples),
+        st.tuples(st.just("remove"), st.integers(0, 20), st.none()),
+        st.tuples(st.just("cold"), st.integers(0, 20), st.none() | _ms),
+    ),
+    max_size=40,
+)
+
+
+@given(_table_ops)
+def test_a_load_table_reads_in_bulk_what_it_reads_one_by_one(
+    ops: list[tuple[str, int, object]],
+) -> None:
+    """``samples`` and ``colds`` (one pass, for each evaluation) agree with a plain dict
+    through puts, removals and cold-since changes, which a new record keeps."""
+    table = LoadTable()
+    samples: dict[int, LoadSample] = {}
+    colds: dict[int, int] = {}
+    for revision, (op, sid, arg) in enumerate(ops):
+        if op == "put":
+            assert isinstance(arg, LoadSample)
+            table.put(sid, arg, revision)
+            samples[sid] = arg
+        elif op == "remove":
+            table.remove(sid)
+            samples.pop(sid, None)
+            colds.pop(sid, None)
+        else:
+            assert arg is None or isinstance(arg, int)
+            table.set_cold(sid, arg)
+            if sid in samples and arg is not None:
+                colds[sid] = arg
+            else:
+                colds.pop(sid, None)
+    assert table.samples() == samples == {sid: table[sid] for sid in table}
+    assert table.colds() == colds
+    assert {sid: table.cold(sid) for sid in samples if table.cold(sid) is not None} == colds
+
+
 def test_a_plain_pulsar_record_is_packed_not_kept_as_an_object() -> None:
     """The point of the table (issue #12's memory budget): no object per plain record."""
     assert set(LoadSample.__slots__) == {  # a new field must be taught to _needs_extra

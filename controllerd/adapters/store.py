@@ -92,7 +92,10 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.lb_policy_name", "round_robin"),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
+    # Ping only while a call is open (a running daemon always has its watches and
+    # its lease's keep-alive stream): etcd refuses pings on an idle connection and
+    # closes it with GOAWAY "too_many_pings" (seen on the bench's idle client).
+    ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),

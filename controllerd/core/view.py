@@ -333,8 +333,30 @@ class LoadTable(Mapping[int, LoadSample]):
             self._rows[slot * _STRIDE + _COLD] = _NAN if since_ms is None else float(since_ms)
 
     def samples(self) -> dict[int, LoadSample]:
-        """Every record as a :class:`LoadSample`, built once (for one evaluation)."""
-        return {sid: self[sid] for sid in self._ids}
+        """Every record as a :class:`LoadSample`, built once (for one evaluation), in one
+        pass over the rows (an evaluation's hottest read)."""
+        rows, extra = self._rows, self._extra
+        out: dict[int, LoadSample] = {}
+        for slot, sid in enumerate(self._ids):
+            if extra is not None and sid in extra:
+                out[sid] = extra[sid]
+                continue
+            base = slot * _STRIDE
+            a, b, c, d, changed, sampled, _ = rows[base : base + _STRIDE]
+            out[sid] = LoadSample(
+                Rates(a, b, c, d), int(changed), None if math.isnan(sampled) else int(sampled)
+            )
+        return out
+
+    def colds(self) -> dict[int, int]:
+        """Every cold-since held in memory, by segment (see :meth:`cold`), in one pass."""
+        rows = self._rows
+        out: dict[int, int] = {}
+        for slot, sid in enumerate(self._ids):
+            value = rows[slot * _STRIDE + _COLD]
+            if not math.isnan(value):
+                out[sid] = int(value)
+        return out
 
 
 def _needs_extra(sample: LoadSample) -> bool:

@@ -225,6 +225,8 @@ class Controller:
         ] = {}
         self._policies: dict[TopicName, tuple[object, PolicySettings | PolicyInvalid]] = {}
         self._config_generation = 0
+        self._shared: dict[tuple[int, ...], PolicySettings | PolicyInvalid] = {}
+        self._shared_generation = (-1, -1)
         self._config_seen: Config | None = None
         # our own state, written behind in fenced batches: key -> (value or None, scope)
         self._writes: dict[str, tuple[bytes | None, Scope]] = {}
@@ -233,6 +235,10 @@ class Controller:
         # While the first load runs: the topics whose keys are all in the view, the
         # only ones we may act on. None once the view is whole (or never partial).
         self._whole: set[TopicName] | None = None
+        # Led topics this term has not evaluated yet: the first pass's progress after a
+        # grant, in /status (complete only once the scanner and the load are done).
+        self._first_pass: set[TopicName] = set()
+        self._scanning = 0
         self.ready = anyio.Event()
 
     # -- scopes ---------------------------------------------------------------------------
@@ -277,6 +283,7 @@ class Controller:
             self._whole.update(newly)
         for topic in newly:
             if self.leads(topic):
+                self._first_pass.add(topic)
                 self.trigger(topic, urgent=False)
 
     @property
@@ -299,6 +306,10 @@ class Controller:
         """We no longer lead ``scope``: stop every evaluation in it at once."""
         self._scopes.pop(scope, None)
         self._granted.discard(scope)
+        if scope is None:
+            self._first_pass.clear()
+        elif self._first_pass:
+            self._first_pass = {t for t in self._first_pass if self.scope_of(t) != scope}
         self._metrics.shards_owned.set(sum(1 for s in self._scopes if s is not None))
         for topic, cancel in list(self._in_flight.items()):
             if scope is None or self.scope_of(topic) == scope:
@@ -311,14 +322,20 @@ class Controller:
             self._scan = anyio.Event()
             granted, self._granted = self._granted, set()
             self._forget_missed()
-            for topic in reversed(self._missed):  # most recent first
-                if self.scope_of(topic) in granted and self.leads(topic):
-                    self.trigger(topic)
-            for i, topic in enumerate(self._topics_in(granted)):
-                if self.leads(topic):
-                    self.trigger(topic, urgent=False)
-                if i % SLICE == SLICE - 1:
-                    await anyio.lowlevel.checkpoint()
+            self._scanning += 1
+            try:
+                for topic in reversed(self._missed):  # most recent first
+                    if self.scope_of(topic) in granted and self.leads(topic):
+                        self._first_pass.add(topic)
+                        self.trigger(topic)
+                for i, topic in enumerate(self._topics_in(granted)):
+                    if self.leads(topic):
+                        self._first_pass.add(topic)
+                        self.trigger(topic, urgent=False)
+                    if i % SLICE == SLICE - 1:
+                        await anyio.lowlevel.checkpoint()
+            finally:
+                self._scanning -= 1
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -370,6 +387,7 @@ class Controller:
                 ):
                     memory.pop(outcome.topic, None)
                 self._unaddressable.discard(outcome.topic)
+                self._first_pass.discard(outcome.topic)
             self._metrics.topics.set(len(self.view.topics))
         if outcome.kind == "policy":
             self._policies.clear()
@@ -703,7 +721,9 @@ class Controller:
         ours = self.view.overrides_for(state.name)
         layout_policy = state.layout.auto_scale_policy if state.layout is not None else None
         if config.broker.profile != "pulsar":
-            return resolve_policy(config.policy, ours[0], ours[1], layout_policy, ours[2])
+            return self._resolve_shared(
+                config, ours[0], ours[1], layout_policy, ours[2], memo=layout_policy is None
+            )
         namespace = self.view.pulsar_namespace(state.name)
         try:
             pulsar_ns = namespace.auto_scale if namespace is not None else None
@@ -721,13 +741,41 @@ class Controller:
                 fix="put controllerd's own knobs under its own key: "
                 f"{self._keys.policy(state.name.tenant, state.name.namespace, state.name.topic)}",
             )
-        return resolve_policy(config.policy, ours[0], ours[1], pulsar_ns, pulsar_topic, ours[2])
+        return self._resolve_shared(
+            config, ours[0], ours[1], pulsar_ns, pulsar_topic, ours[2], memo=pulsar_topic is None
+        )
+
+    def _resolve_shared(
+        self, config: Config, *overrides: Mapping[str, Any] | None, memo: bool
+    ) -> PolicySettings | PolicyInvalid:
+        """:func:`resolve_policy`, shared by the topics that have the same override objects.
+
+        Most topics have no override of their own, so 100,000 topics in 100 namespaces
+        resolve 100 times, not 100,000 (a first evaluation spent ~40 us here). The
+        objects are the view's, alive for the generation the memo is kept for, so
+        their ids are stable keys. Without ``memo`` (the topic's layout carries a
+        policy of its own, an object per layout) nothing is kept.
+        """
+        generation = (self._config_generation, self.view.overrides_generation)
+        if generation != self._shared_generation:
+            self._shared.clear()
+            self._shared_generation = generation
+        if not memo:
+            return resolve_policy(config.policy, *overrides)
+        key = tuple(id(o) if o is not None else 0 for o in overrides)
+        shared = self._shared.get(key)
+        if shared is None:
+            shared = self._shared[key] = resolve_policy(config.policy, *overrides)
+        return shared
 
     async def evaluate(self, topic: TopicName) -> Decision | None:
         """Decide one topic and act on the decision; None when there was nothing to decide."""
         state = self.view.topics.get(topic)
         leadership = self.leadership_for(topic)
-        if state is None or state.layout is None or leadership is None:
+        if leadership is None:
+            return None
+        self._first_pass.discard(topic)
+        if state is None or state.layout is None:
             return None
         if topic in self._unaddressable:
             return None  # its name cannot reach the broker: logged once, never retried
@@ -741,10 +789,10 @@ class Controller:
         samples = state.loads.samples()
         if isinstance(policy, PolicySettings):
             self._track_cold(state, samples, policy, now)
-        table = state.loads
+        held = state.loads.colds()
         loads = {
             sid: dataclasses.replace(sample, cold_since_ms=since)
-            if (since := state.cold_since.get(sid, table.cold(sid))) is not None
+            if (since := state.cold_since.get(sid, held.get(sid))) is not None
             else sample
             for sid, sample in samples.items()
         }
@@ -863,7 +911,8 @@ class Controller:
                     inherited = inherited_cold_since(layout, sid, _ColdOf(state))
                     since = inherited if inherited is not None else min(sample.changed_at_ms, now)
                     log.info("segment.cold", topic=str(state.name), segment=sid, since_ms=since)
-                table.set_cold(sid, since)
+                if since != held:
+                    table.set_cold(sid, since)
                 # Derivable by a successor only from a record that carries its own time
                 # stamps; Pulsar's carry none (changed_at is when *we* first saw it).
                 derivable = sample.sampled_at_ms is not None and since >= min(
@@ -875,7 +924,8 @@ class Controller:
             else:
                 if held is not None or persisted is not None:
                     log.info("segment.warm", topic=str(state.name), segment=sid)
-                table.set_cold(sid, None)
+                if held is not None:
+                    table.set_cold(sid, None)
                 if persisted is not None:
                     del state.cold_since[sid]
                     self._write(self._keys.cold_since(state.name, sid), None, state)
@@ -1277,14 +1327,20 @@ class Controller:
     def status(self) -> Mapping[str, Any]:
         return {
             "topics": len(self.view.topics),
-            "topics_led": sum(1 for _ in self._led_topics()) if len(self._scopes) else 0,
+            "topics_led": (
+                len(self.view.topics)
+                if None in self._scopes
+                else sum(len(self._by_shard.get(s, ())) for s in self._scopes if s is not None)
+            ),
             "in_flight": sorted(str(t) for t in self._in_flight),
             "queued": len(self._queued),
+            # led topics not evaluated yet since we began to lead; None while still
+            # unknown (the view loading, or the topics of a grant being queued)
+            "first_pass_remaining": (
+                None if self.partial or self._scanning or self._granted else len(self._first_pass)
+            ),
             "last_decisions": [dataclasses.asdict(r) for r in list(self.history)[-20:]],
         }
-
-    def _led_topics(self) -> Iterable[TopicName]:
-        return self._topics_in(self._scopes)
 
     def _topics_in(self, scopes: Iterable[Scope]) -> list[TopicName]:
         """A snapshot of the topics in ``scopes`` (every topic for scope ``None``).
