@@ -403,8 +403,24 @@ class Controller:
         elif outcome.kind == "load":
             if self._load_matters(outcome):
                 self.trigger(outcome.topic)
+            else:
+                self._still_quiet(outcome.topic)
         else:
             self.trigger(outcome.topic)
+
+    def _still_quiet(self, topic: TopicName) -> None:
+        """A load record that cannot change a decision keeps a quiet topic quiet.
+
+        Quiet means nothing over a split threshold and nothing under the merge
+        thresholds; :meth:`_load_matters` lets through exactly the records that
+        cross either, so the others need no tick's evaluation. Without this, a
+        storm of balanced records made every topic due at every tick (10,000
+        evaluations at once, and the watch fell behind meanwhile).
+        """
+        seen = self._quiet.get(topic)
+        state = self.view.topics.get(topic)
+        if seen is not None and state is not None and seen[0] == state.version - 1:
+            self._quiet[topic] = (state.version, seen[1])
 
     def _note_missed(self, change: Change) -> None:
         """Remember a change that another replica's leadership covers (see ``_missed``)."""
