@@ -403,3 +403,29 @@ async def test_authentication_survives_a_restart(tmp_path: Path) -> None:
                 pass
     finally:
         server.close()
+
+
+async def test_a_large_watch_response_comes_in_batches_that_end_between_revisions(
+    store: Store, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A catch-up response of many transactions is handed over in pieces (the loop
+    stays responsive), never splitting one transaction's events."""
+    monkeypatch.setattr(store_module, "WATCH_BATCH", 100)
+    _, start = await store.get_prefix(etcd_prefix)
+    expected = [f"{etcd_prefix}{t:02d}/{i:02d}" for t in range(20) for i in range(30)]
+    for t in range(20):  # 20 transactions of 30 puts: 600 events, 20 revisions
+        puts = [Put(key, b"v") for key in expected[t * 30 : (t + 1) * 30]]
+        await store.txn([Compare.absent(puts[0].key)], puts)
+    batches: list[list[WatchEvent]] = []
+    with anyio.fail_after(20):
+        async with aclosing(store.watch_prefix(etcd_prefix, start + 1)) as watch:
+            async for batch in watch:
+                batches.append(batch)
+                if sum(map(len, batches)) >= 600:
+                    break
+    got = [event for batch in batches for event in batch]
+    assert [e.key for e in got] == [
+        f"{etcd_prefix}{t:02d}/{i:02d}" for t in range(20) for i in range(30)
+    ]
+    assert len(batches) > 1
+    assert all(len(batch) % 30 == 0 and len(batch) <= 120 for batch in batches)

@@ -324,10 +324,12 @@ class Controller:
             self._forget_missed()
             self._scanning += 1
             try:
-                for topic in reversed(self._missed):  # most recent first
+                for i, topic in enumerate(reversed(list(self._missed))):  # most recent first
                     if self.scope_of(topic) in granted and self.leads(topic):
                         self._first_pass.add(topic)
                         self.trigger(topic)
+                    if i % SLICE == SLICE - 1:
+                        await anyio.lowlevel.checkpoint()
                 for i, topic in enumerate(self._topics_in(granted)):
                     if self.leads(topic):
                         self._first_pass.add(topic)
@@ -425,6 +427,13 @@ class Controller:
     def _note_missed(self, change: Change) -> None:
         """Remember a change that another replica's leadership covers (see ``_missed``)."""
         assert change.topic is not None
+        if self._whole is not None:
+            # The first load: every topic is evaluated once it is whole, so there is no
+            # change to remember (1.9 million keys each moved an entry here, and a
+            # takeover then walked them all at once); only the peak a record feeds is kept.
+            if change.kind == "load":
+                self._observe_load(change)
+            return
         if change.kind == "load" and not self._load_matters(change):
             return
         self._missed.pop(change.topic, None)
@@ -439,6 +448,23 @@ class Controller:
                 return
             del self._missed[oldest]
 
+    def _observe_load(self, change: Change) -> tuple[TopicState, PolicySettings, LoadSample] | None:
+        """The topic, policy and sample of a new load record; feeds the window's peak
+        (history ``decide`` needs) when the policy keeps one. None: nothing to decide on."""
+        assert change.topic is not None and change.segment is not None
+        state = self.view.topics.get(change.topic)
+        if state is None or state.layout is None or change.segment not in state.loads:
+            return None
+        policy = self.resolved_policy(state)
+        if not isinstance(policy, PolicySettings):
+            return None
+        sample = state.loads[change.segment]
+        if policy.peak_window_seconds > 0:
+            history = state.history if state.history is not None else TopicHistory()
+            history.observe(change.segment, sample.rates, self._clock.now_ms(), policy)
+            state.history = history
+        return state, policy, sample
+
     def _load_matters(self, change: Change) -> bool:
         """Whether one new load record can change a decision or our cold bookkeeping.
 
@@ -447,18 +473,11 @@ class Controller:
         threshold, nor due a persisted cold-since. Windows that expire with
         time are the ticker's and the timers' job.
         """
-        assert change.topic is not None and change.segment is not None
-        state = self.view.topics.get(change.topic)
-        if state is None or state.layout is None or change.segment not in state.loads:
+        observed = self._observe_load(change)
+        if observed is None:
             return False
-        policy = self.resolved_policy(state)
-        if not isinstance(policy, PolicySettings):
-            return False
-        sample = state.loads[change.segment]
-        if policy.peak_window_seconds > 0:  # the window's peak is history decide needs
-            history = state.history if state.history is not None else TopicHistory()
-            history.observe(change.segment, sample.rates, self._clock.now_ms(), policy)
-            state.history = history
+        state, policy, sample = observed
+        assert change.segment is not None
         if _over(sample.rates, policy.split_thresholds):
             return True
         cold = below(sample.rates, policy.merge_thresholds)
