@@ -636,7 +636,8 @@ def pip483_reference(sc: Scenario) -> Decision:
     merge threshold for the window since the record's last change, merge depth
     under max_dag_depth; the least combined load of the eight rates), unless at
     min_segments or in the merge cooldown. Splits are binary at Pulsar's
-    midpoint (``HashRange``: ``mid = start + (end - start) / 2``). Ties go to
+    midpoint (``HashRange``: ``mid = start + (end - start) / 2``); a one-hash
+    range is never a candidate. Ties go to
     the lower segment id. NoAction reasons are ours, so only actions compare.
     """
     p, now = sc.policy, sc.now_ms
@@ -645,9 +646,15 @@ def pip483_reference(sc: Scenario) -> Decision:
     if not p.enabled:
         return NoAction("disabled")
 
-    def midpoint(seg_id: int) -> tuple[int, ...]:
+    def split(seg_id: int, reason: str) -> Decision:
         rng = sc.layout.segments[seg_id].hash_range
-        return (rng.start + (rng.end - rng.start) // 2 + 1,)
+        return Split(seg_id, (rng.start + (rng.end - rng.start) // 2 + 1,), reason)
+
+    def splittable(seg_id: int) -> bool:
+        """A one-hash range has no midpoint: it is no candidate (Pulsar would pick it
+        and fail the split; we pick the next one)."""
+        rng = sc.layout.segments[seg_id].hash_range
+        return rng.end > rng.start
 
     def msg_in(seg_id: int) -> float:
         s = sc.loads.get(seg_id)
@@ -656,10 +663,10 @@ def pip483_reference(sc: Scenario) -> Decision:
     in_split_cooldown = within(sc.last_split_ms, p.split_cooldown_seconds, now)
     if n < p.max_segments and not in_split_cooldown:
         consumers = max(sc.consumers.values(), default=0)
-        ids = sorted(s.segment_id for s in active)
-        if consumers > n:
+        ids = sorted(s.segment_id for s in active if splittable(s.segment_id))
+        if consumers > n and ids:
             busiest = max(ids, key=lambda i: (msg_in(i), -i))
-            return Split(busiest, midpoint(busiest), "consumer-count")
+            return split(busiest, "consumer-count")
         best: tuple[float, int, str] | None = None
         for i in ids:
             sample = sc.loads.get(i)
@@ -673,7 +680,7 @@ def pip483_reference(sc: Scenario) -> Decision:
             if top > 1.0 and (best is None or top > best[0]):
                 best = (top, i, RATE_NAMES[ratios.index(top)])
         if best is not None:
-            return Split(best[1], midpoint(best[1]), best[2])
+            return split(best[1], best[2])
     if n <= p.min_segments or within(sc.last_merge_ms, p.merge_cooldown_seconds, now):
         return NoAction("none")
     depths = merge_depths(sc.layout.segments)

@@ -448,9 +448,9 @@ class Controller:
                 return
             del self._missed[oldest]
 
-    def _observe_load(self, change: Change) -> tuple[TopicState, PolicySettings, LoadSample] | None:
-        """The topic, policy and sample of a new load record; feeds the window's peak
-        (history ``decide`` needs) when the policy keeps one. None: nothing to decide on."""
+    def _observe_load(self, change: Change) -> tuple[TopicState, PolicySettings] | None:
+        """The topic and policy of a new load record, after feeding the window's peak
+        (history ``decide`` needs) when the policy keeps one. None: nothing to decide."""
         assert change.topic is not None and change.segment is not None
         state = self.view.topics.get(change.topic)
         if state is None or state.layout is None or change.segment not in state.loads:
@@ -458,12 +458,12 @@ class Controller:
         policy = self.resolved_policy(state)
         if not isinstance(policy, PolicySettings):
             return None
-        sample = state.loads[change.segment]
         if policy.peak_window_seconds > 0:
             history = state.history if state.history is not None else TopicHistory()
-            history.observe(change.segment, sample.rates, self._clock.now_ms(), policy)
+            rates = state.loads[change.segment].rates
+            history.observe(change.segment, rates, self._clock.now_ms(), policy)
             state.history = history
-        return state, policy, sample
+        return state, policy
 
     def _load_matters(self, change: Change) -> bool:
         """Whether one new load record can change a decision or our cold bookkeeping.
@@ -476,8 +476,9 @@ class Controller:
         observed = self._observe_load(change)
         if observed is None:
             return False
-        state, policy, sample = observed
+        state, policy = observed
         assert change.segment is not None
+        sample = state.loads[change.segment]
         if _over(sample.rates, policy.split_thresholds):
             return True
         cold = below(sample.rates, policy.merge_thresholds)
