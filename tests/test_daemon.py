@@ -83,6 +83,8 @@ async def test_one_replica_leads_and_a_consumer_registration_splits(cluster: Clu
     standby = next(r for r in cluster.replicas if r is not leader)
     status = await leader.status()
     assert status is not None and status["fencing_token"] > 0
+    # how long the loop stalled at worst, and at most how much of that was its own CPU
+    assert 0 <= status["max_loop_stall_on_cpu_s"] <= status["max_loop_stall_s"]
     standby_status = await standby.status()
     assert standby_status is not None and not standby_status["leader"]
     await wait_until(lambda: _sees_leader(standby, status["fencing_token"]))
