@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 from controllerd.adapters.store import Store
 from controllerd.core.model import Layout, TopicName
 from controllerd.core.view import Keys
+from controllerd.daemon.runtime import GcClock
 from tests.support.broker import (
     TestBrokerState,
     layout_json,
@@ -238,3 +240,15 @@ async def test_an_empty_config_on_sighup_is_refused_and_the_old_one_kept(
 
     await wait_until(split, within=10)
     assert leader.alive()
+
+
+def test_the_loop_monitor_times_the_garbage_collector() -> None:
+    """``loop.stalled`` says how much of a stall was the collector (issue #12's stalls)."""
+    before = len(gc.callbacks)
+    with GcClock() as collector:
+        junk: list[object] = []
+        junk.append(junk)  # a cycle, so there is something to collect
+        del junk
+        gc.collect()
+        assert collector.seconds > 0
+    assert len(gc.callbacks) == before

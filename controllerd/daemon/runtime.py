@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -517,18 +518,26 @@ class Daemon:
         """How late the loop wakes us: the longest stall any task could have caused.
 
         Also how much of it the loop's thread spent on CPU: at most that much was
-        our own work; the rest it waited for a CPU (a host busy with etcd and others).
+        our own work; the rest it waited for a CPU (a host busy with etcd and others);
+        and how much the garbage collector took meanwhile.
         """
-        while True:
-            before, cpu_before = time.monotonic(), time.thread_time()
-            await anyio.sleep(LOOP_TICK)
-            stall = time.monotonic() - before - LOOP_TICK
-            on_cpu = min(stall, time.thread_time() - cpu_before)
-            self._max_stall = max(self._max_stall, stall)
-            self._max_stall_on_cpu = max(self._max_stall_on_cpu, on_cpu)
-            self.metrics.event_loop_lag.observe(max(0.0, stall))
-            if stall > 0.1:
-                log.warning("loop.stalled", seconds=round(stall, 3), on_cpu=round(on_cpu, 3))
+        with GcClock() as collector:
+            while True:
+                before, cpu_before = time.monotonic(), time.thread_time()
+                gc_before = collector.seconds
+                await anyio.sleep(LOOP_TICK)
+                stall = time.monotonic() - before - LOOP_TICK
+                on_cpu = min(stall, time.thread_time() - cpu_before)
+                self._max_stall = max(self._max_stall, stall)
+                self._max_stall_on_cpu = max(self._max_stall_on_cpu, on_cpu)
+                self.metrics.event_loop_lag.observe(max(0.0, stall))
+                if stall > 0.1:
+                    log.warning(
+                        "loop.stalled",
+                        seconds=round(stall, 3),
+                        on_cpu=round(on_cpu, 3),
+                        gc=round(collector.seconds - gc_before, 3),
+                    )
 
     async def _leader_watch(self, store: Store) -> None:
         """Keep /status's idea of who leads current, from the leader key."""
@@ -647,6 +656,27 @@ class Daemon:
                 self.metrics.is_leader.set(0)
                 self.metrics.fencing_token.set(0)
                 self._report()
+
+
+class GcClock:
+    """Seconds the cyclic garbage collector has run while installed (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, _info: Mapping[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 async def run(config_path: str, env: Mapping[str, str]) -> int:
