@@ -190,7 +190,11 @@ async def test_an_overload_splits_k_ways_at_once_and_keeps_key_order(
                 await e2e.enable_autoscale()
                 await wait_until(lambda: _active(e2e, 4), within=20)
                 first_split = e2e.layouts[1]
-                assert len(first_split.active_segments()) == 4  # 4 children in one step
+                # the children the load needs in one step: ceil(3.5) = 4, or 5 when a
+                # window read more (a stalled producer catching up) or the 50 keys'
+                # hashes pack unevenly (load-aware boundaries); one split, never two
+                assert first_split.epoch == 1
+                assert len(first_split.active_segments()) in (4, 5)
                 await anyio.sleep(1.0)  # keep producing across the split
                 stop.set()
         delivered: dict[bytes, list[int]] = defaultdict(list)
