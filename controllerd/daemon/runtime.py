@@ -6,7 +6,8 @@ Workers (all named, all owned by one task group):
   The handler only records the signal; the work happens here, on the loop.
 * ``ops``: /metrics /healthz /readyz /status.
 * ``health``: probes etcd every second; readiness and ``STATUS=`` follow it.
-* ``loop-monitor``: measures how long the event loop stalls.
+* ``loop-monitor``: measures how long the event loop stalls; its block watch
+  thread logs where the loop is while a stall lasts.
 * ``follower``: loads and follows etcd into the view, leader or not (hot standby).
 * ``controller``: acts on the topics of the scopes we lead.
 * ``elector``: once the view is loaded (or, while it loads, once the leader
@@ -50,6 +51,7 @@ from controllerd.adapters.membership import ShardMembership
 from controllerd.adapters.secrets import read_secret
 from controllerd.adapters.store import Store, StoreError, StoreUnavailable, open_store
 from controllerd.core.view import Keys, MetadataView
+from controllerd.daemon.blockwatch import BlockWatch
 from controllerd.daemon.clock import Clock, SystemClock
 from controllerd.daemon.controller import Controller, DecisionRecord
 from controllerd.daemon.follower import Follower
@@ -519,10 +521,16 @@ class Daemon:
 
         Also how much of it the loop's thread spent on CPU: at most that much was
         our own work; the rest it waited for a CPU (a host busy with etcd and others);
-        and how much the garbage collector took meanwhile.
+        and how much the garbage collector took meanwhile. A thread of its own logs
+        where the loop is while a stall lasts (``loop.blocked``, with the stack).
         """
-        with GcClock() as collector:
+
+        def blocked(seconds: float, stack: list[str]) -> None:
+            log.warning("loop.blocked", seconds=round(seconds, 3), stack=stack)
+
+        with GcClock() as collector, BlockWatch(blocked, threshold=LOOP_TICK + 0.1) as watch:
             while True:
+                watch.beat()
                 before, cpu_before = time.monotonic(), time.thread_time()
                 gc_before = collector.seconds
                 await anyio.sleep(LOOP_TICK)
