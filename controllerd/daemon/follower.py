@@ -42,6 +42,7 @@ from controllerd.adapters.store import (
 from controllerd.core.model import TopicName
 from controllerd.core.view import Change, MetadataView, Outcome
 from controllerd.daemon.clock import Clock
+from controllerd.daemon.controller import Controller
 
 log = structlog.get_logger("controllerd.daemon.follower")
 
@@ -61,6 +62,26 @@ class FollowerStats:
     revision: int = 0
     reloads: int = 0
     prefixes: dict[str, int] = field(default_factory=dict)
+
+
+def feeding(store: Store, controller: Controller, clock: Clock) -> Follower:
+    """The follower of ``controller``'s view, wired as the daemon runs it.
+
+    The controller's own state and Pulsar's policies load first, the topics
+    last, and each topic is reported whole to the controller as soon as it is
+    (``Controller.whole``), so a leader acts on it before the load ends.
+    """
+    keys = controller.view.keys
+    controller.start_partial()
+    return Follower(
+        store,
+        controller.view,
+        [keys.controller_prefix, keys.pulsar_policies_prefix, keys.topics_prefix],
+        controller.note,
+        clock,
+        whole_prefix=keys.topics_prefix,
+        on_whole=controller.whole,
+    )
 
 
 class Follower:

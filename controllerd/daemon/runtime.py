@@ -54,7 +54,7 @@ from controllerd.core.view import Keys, MetadataView
 from controllerd.daemon.blockwatch import BlockWatch
 from controllerd.daemon.clock import Clock, SystemClock
 from controllerd.daemon.controller import Controller, DecisionRecord
-from controllerd.daemon.follower import Follower
+from controllerd.daemon.follower import Follower, feeding
 from controllerd.daemon.logs import configure_logging
 from controllerd.daemon.metrics import Metrics
 from controllerd.daemon.ops import make_ops_app, serve_ops
@@ -385,20 +385,7 @@ class Daemon:
             shards=shards,
             on_operator_error=self._operator_error,
         )
-        controller.start_partial()
-        follower = Follower(
-            store,
-            view,
-            [
-                self.keys.controller_prefix,
-                self.keys.pulsar_policies_prefix,
-                self.keys.topics_prefix,
-            ],
-            controller.note,
-            self.clock,
-            whole_prefix=self.keys.topics_prefix,
-            on_whole=controller.whole,
-        )
+        follower = feeding(store, controller, self.clock)
         self._controller, self._follower = controller, follower
         async with anyio.create_task_group() as workers:
             # In the outer group: its deadline must outlive the workers it cancels.

@@ -24,7 +24,7 @@ from controllerd.core.model import Layout, TopicName
 from controllerd.core.view import Keys, MetadataView
 from controllerd.daemon.clock import ManualClock
 from controllerd.daemon.controller import Controller
-from controllerd.daemon.follower import Follower
+from controllerd.daemon.follower import feeding
 from controllerd.daemon.metrics import Metrics
 from tests.support.broker import (
     TestBrokerState,
@@ -190,16 +190,7 @@ async def open_harness(
             clock=clock,
             replica=replica,
         )
-        controller.start_partial()  # wired as the runtime wires it
-        follower = Follower(
-            store,
-            view,
-            [keys.controller_prefix, keys.pulsar_policies_prefix, keys.topics_prefix],
-            controller.note,
-            clock,
-            whole_prefix=keys.topics_prefix,
-            on_whole=controller.whole,
-        )
+        follower = feeding(store, controller, clock)  # wired as the daemon wires it
         harness = Harness(cfg, keys, store, state, broker, clock, metrics, leadership, controller)
         box.append(harness)
         async with anyio.create_task_group() as tg:
