@@ -303,6 +303,10 @@ class LoadTable(Mapping[int, LoadSample]):
             raise KeyError(segment_id)
         if self._extra is not None and segment_id in self._extra:
             return self._extra[segment_id]
+        return self._row(slot)
+
+    def _row(self, slot: int) -> LoadSample:
+        """The plain sample packed at ``slot`` (the extras are the caller's)."""
         base = slot * _STRIDE
         a, b, c, d, changed, sampled, _ = self._rows[base : base + _STRIDE]
         return LoadSample(
@@ -335,18 +339,11 @@ class LoadTable(Mapping[int, LoadSample]):
     def samples(self) -> dict[int, LoadSample]:
         """Every record as a :class:`LoadSample`, built once (for one evaluation), in one
         pass over the rows (an evaluation's hottest read)."""
-        rows, extra = self._rows, self._extra
-        out: dict[int, LoadSample] = {}
-        for slot, sid in enumerate(self._ids):
-            if extra is not None and sid in extra:
-                out[sid] = extra[sid]
-                continue
-            base = slot * _STRIDE
-            a, b, c, d, changed, sampled, _ = rows[base : base + _STRIDE]
-            out[sid] = LoadSample(
-                Rates(a, b, c, d), int(changed), None if math.isnan(sampled) else int(sampled)
-            )
-        return out
+        extra = self._extra
+        return {
+            sid: extra[sid] if extra is not None and sid in extra else self._row(slot)
+            for slot, sid in enumerate(self._ids)
+        }
 
     def colds(self) -> dict[int, int]:
         """Every cold-since held in memory, by segment (see :meth:`cold`), in one pass."""
