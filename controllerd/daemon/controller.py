@@ -283,8 +283,12 @@ class Controller:
             self._whole.update(newly)
         for topic in newly:
             if self.leads(topic):
-                self._first_pass.add(topic)
-                self.trigger(topic, urgent=False)
+                self._first_evaluation(topic, urgent=False)
+
+    def _first_evaluation(self, topic: TopicName, *, urgent: bool) -> None:
+        """Queue a led topic's first evaluation of this term, counted in /status until done."""
+        self._first_pass.add(topic)
+        self.trigger(topic, urgent=urgent)
 
     @property
     def partial(self) -> bool:
@@ -326,14 +330,12 @@ class Controller:
             try:
                 for i, topic in enumerate(reversed(list(self._missed))):  # most recent first
                     if self.scope_of(topic) in granted and self.leads(topic):
-                        self._first_pass.add(topic)
-                        self.trigger(topic)
+                        self._first_evaluation(topic, urgent=True)
                     if i % SLICE == SLICE - 1:
                         await anyio.lowlevel.checkpoint()
                 for i, topic in enumerate(self._topics_in(granted)):
                     if self.leads(topic):
-                        self._first_pass.add(topic)
-                        self.trigger(topic, urgent=False)
+                        self._first_evaluation(topic, urgent=False)
                     if i % SLICE == SLICE - 1:
                         await anyio.lowlevel.checkpoint()
             finally:
