@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 
+import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
 from controllerd.core.layout import initial_layout, split
-from controllerd.core.model import LoadSample, Rates, TopicName, layout_to_json
+from controllerd.core.model import (
+    LoadSample,
+    Rates,
+    TopicName,
+    layout_to_json,
+    load_sample_from_json,
+    plain_load,
+)
 from controllerd.core.view import (
     Change,
     Cooldown,
@@ -218,6 +226,10 @@ def test_a_load_table_reads_in_bulk_what_it_reads_one_by_one(
                 colds.pop(sid, None)
     assert table.samples() == samples == {sid: table[sid] for sid in table}
     assert table.colds() == colds
+    assert {sid: table.peek(sid) for sid in table} == {
+        sid: (s.rates.as_tuple(), s.changed_at_ms, s.sampled_at_ms, colds.get(sid))
+        for sid, s in samples.items()
+    }
     assert {sid: table.cold(sid) for sid in samples if table.cold(sid) is not None} == colds
 
 
@@ -239,3 +251,54 @@ def test_a_plain_pulsar_record_is_packed_not_kept_as_an_object() -> None:
     assert table._extra is None
     table.put(3, LoadSample(Rates(1.0, 2.0, 3.0, 4.0), 5, None, flipflops=1), 99)
     assert table._extra is not None and list(table._extra) == [3]
+
+
+_RECORD_KEYS = (
+    "msgRateIn",
+    "byteRateIn",
+    "bytesRateIn",
+    "msgRateOut",
+    "byteRateOut",
+    "bytesRateOut",
+    "sampledAtMs",
+    "changedAtMs",
+    "coldSinceMs",
+    "flipflops",
+    "hashBuckets",
+    "brokerName",
+)
+_json_scalars = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(0, 1e9),
+    st.integers(-(2**63), 2**63 - 1),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=3),
+)
+
+
+@given(st.dictionaries(st.sampled_from(_RECORD_KEYS), _json_scalars), _ms)
+def test_the_fast_read_of_a_load_record_agrees_with_the_full_parse(
+    record: dict[str, object], seen: int
+) -> None:
+    """``plain_load`` (the follower's fast path) reads a record exactly as
+    ``load_sample_from_json`` does, or leaves it to it: never a different value,
+    never a record the full parse rejects."""
+    row = plain_load(record, seen)
+    if row is None:
+        return
+    sample = load_sample_from_json(record, seen_at_ms=seen)
+    assert (sample.cold_since_ms, sample.hash_buckets, sample.flipflops) == (None, None, 0)
+    assert row == (*sample.rates.as_tuple(), sample.changed_at_ms, sample.sampled_at_ms)
+
+
+def test_pulsar_and_reporter_records_take_the_fast_read() -> None:
+    rates = {"msgRateIn": 1.5, "bytesRateIn": 2.0, "msgRateOut": 0.0, "bytesRateOut": 4.0}
+    assert plain_load(rates, 7) == (1.5, 2.0, 0.0, 4.0, 7, None)
+    stamped = {**rates, "byteRateIn": 3.0, "sampledAtMs": 9, "changedAtMs": 8}
+    assert plain_load(stamped, 7) == (1.5, 3.0, 0.0, 4.0, 8, 9)
+    assert plain_load({**rates, "flipflops": 0}, 7) is None  # an extension: the full parse
+    view = fresh()
+    view.apply_put(KEYS.load(T, 0), orjson.dumps(stamped), 11, NOW)
+    assert view.topics[T].loads[0] == load_sample_from_json(stamped)
+    assert view.topics[T].loads._extra is None

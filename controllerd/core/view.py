@@ -47,10 +47,12 @@ from controllerd.core.model import (
     Layout,
     LoadSample,
     ModelError,
+    PlainLoad,
     Rates,
     TopicName,
     layout_from_json,
     load_sample_from_json,
+    plain_load,
 )
 from controllerd.core.policy import TopicHistory
 from controllerd.core.pulsar import (
@@ -228,6 +230,10 @@ and the cold-since the controller holds in memory for the segment (NaN: none).""
 _COLD: Final = 6
 
 
+Peek = tuple[tuple[float, float, float, float], int, int | None, int | None]
+"""The four rates, changed ms, sampled ms and held cold-since ms of one record."""
+
+
 class LoadTable(Mapping[int, LoadSample]):
     """A topic's load records, packed into arrays: one row of doubles per segment.
 
@@ -263,29 +269,63 @@ class LoadTable(Mapping[int, LoadSample]):
 
     def put(self, segment_id: int, sample: LoadSample, revision: int) -> None:
         r = sample.rates
-        slot = self._slot(segment_id)
-        row = (
-            r.msg_rate_in,
-            r.byte_rate_in,
-            r.msg_rate_out,
-            r.byte_rate_out,
-            float(sample.changed_at_ms),
-            _NAN if sample.sampled_at_ms is None else float(sample.sampled_at_ms),
-            _NAN if slot < 0 else self._rows[slot * _STRIDE + _COLD],
+        self.put_plain(
+            segment_id,
+            (
+                r.msg_rate_in,
+                r.byte_rate_in,
+                r.msg_rate_out,
+                r.byte_rate_out,
+                sample.changed_at_ms,
+                sample.sampled_at_ms,
+            ),
+            revision,
         )
-        if slot < 0:
-            self._ids.append(segment_id)
-            self._rows.extend(row)
-            self._revisions.append(revision)
-        else:
-            self._rows[slot * _STRIDE : (slot + 1) * _STRIDE] = array("d", row)
-            self._revisions[slot] = revision
         if _needs_extra(sample):
             if self._extra is None:
                 self._extra = {}
             self._extra[segment_id] = sample
-        elif self._extra is not None:
+
+    def put_plain(self, segment_id: int, load: PlainLoad, revision: int) -> None:
+        """Store a record with no extension (:func:`plain_load`); keeps the held cold-since."""
+        a, b, c, d, changed, sampled = load
+        when = _NAN if sampled is None else float(sampled)
+        slot = self._slot(segment_id)
+        if slot < 0:
+            self._ids.append(segment_id)
+            self._rows.extend((a, b, c, d, float(changed), when, _NAN))
+            self._revisions.append(revision)
+        else:
+            rows, base = self._rows, slot * _STRIDE
+            rows[base] = a
+            rows[base + 1] = b
+            rows[base + 2] = c
+            rows[base + 3] = d
+            rows[base + 4] = float(changed)
+            rows[base + 5] = when
+            self._revisions[slot] = revision
+        if self._extra is not None:
             self._extra.pop(segment_id, None)
+
+    def peek(self, segment_id: int) -> Peek | None:
+        """A record's rates, stamps and held cold-since without building a
+        :class:`LoadSample` (the follower's per-record gate); None without a record."""
+        slot = self._slot(segment_id)
+        if slot < 0:
+            return None
+        rows, base = self._rows, slot * _STRIDE
+        held = rows[base + _COLD]
+        cold = None if math.isnan(held) else int(held)
+        sample = self._extra.get(segment_id) if self._extra is not None else None
+        if sample is not None:
+            return sample.rates.as_tuple(), sample.changed_at_ms, sample.sampled_at_ms, cold
+        sampled = rows[base + 5]
+        return (
+            (rows[base], rows[base + 1], rows[base + 2], rows[base + 3]),
+            int(rows[base + 4]),
+            None if math.isnan(sampled) else int(sampled),
+            cold,
+        )
 
     def remove(self, segment_id: int) -> None:
         slot = self._slot(segment_id)
@@ -628,6 +668,21 @@ class MetadataView:
             return None
         name, rest = parsed
         match rest:
+            case ["segments", sid_text, "load"]:  # first: nearly every write is one
+                sid = _long(_segment_id(sid_text), "segment id")
+                state = self.topic(name)
+                seen_rev = state.loads.revision(sid)
+                first_seen = now_ms
+                if seen_rev == mod_revision:  # the same version again (a reload): keep its time
+                    first_seen = state.loads[sid].changed_at_ms
+                obj = parse_json(value)
+                plain = plain_load(obj, first_seen)
+                if plain is not None:
+                    state.loads.put_plain(sid, plain, mod_revision)
+                else:
+                    sample = load_sample_from_json(obj, f"load[{sid}]", seen_at_ms=first_seen)
+                    state.loads.put(sid, sample, mod_revision)
+                return Change("load", name, True, sid)
             case []:
                 layout = check(layout_from_json(parse_json(value)))
                 state = self.topic(name)
@@ -654,18 +709,6 @@ class MetadataView:
                 new = consumer not in names
                 names.add(consumer)
                 return Change("consumer", name, new)
-            case ["segments", sid_text, "load"]:
-                sid = _long(_segment_id(sid_text), "segment id")
-                state = self.topic(name)
-                seen_rev = state.loads.revision(sid)
-                first_seen = now_ms
-                if seen_rev == mod_revision:  # the same version again (a reload): keep its time
-                    first_seen = state.loads[sid].changed_at_ms
-                sample = load_sample_from_json(
-                    parse_json(value), f"load[{sid}]", seen_at_ms=first_seen
-                )
-                state.loads.put(sid, sample, mod_revision)
-                return Change("load", name, True, sid)
         return None
 
     def _delete_metadata(self, key: str) -> Outcome:

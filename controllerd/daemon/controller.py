@@ -73,6 +73,7 @@ from controllerd.core.model import (
     ModelError,
     NoAction,
     PolicySettings,
+    Rates,
     Split,
     TopicName,
     decision_to_json,
@@ -98,6 +99,7 @@ from controllerd.core.view import (
     Cooldown,
     MetadataView,
     Outcome,
+    Peek,
     Rejected,
     TopicState,
     parse_json,
@@ -450,22 +452,24 @@ class Controller:
                 return
             del self._missed[oldest]
 
-    def _observe_load(self, change: Change) -> tuple[TopicState, PolicySettings] | None:
-        """The topic and policy of a new load record, after feeding the window's peak
-        (history ``decide`` needs) when the policy keeps one. None: nothing to decide."""
+    def _observe_load(self, change: Change) -> tuple[TopicState, PolicySettings, Peek] | None:
+        """The topic, policy and record of a new load change, after feeding the window's
+        peak (history ``decide`` needs) when the policy keeps one. None: nothing to decide."""
         assert change.topic is not None and change.segment is not None
         state = self.view.topics.get(change.topic)
-        if state is None or state.layout is None or change.segment not in state.loads:
+        if state is None or state.layout is None:
+            return None
+        record = state.loads.peek(change.segment)
+        if record is None:
             return None
         policy = self.resolved_policy(state)
         if not isinstance(policy, PolicySettings):
             return None
         if policy.peak_window_seconds > 0:
             history = state.history if state.history is not None else TopicHistory()
-            rates = state.loads[change.segment].rates
-            history.observe(change.segment, rates, self._clock.now_ms(), policy)
+            history.observe(change.segment, Rates(*record[0]), self._clock.now_ms(), policy)
             state.history = history
-        return state, policy
+        return state, policy, record
 
     def _load_matters(self, change: Change) -> bool:
         """Whether one new load record can change a decision or our cold bookkeeping.
@@ -473,18 +477,17 @@ class Controller:
         The gate that lets a replica follow thousands of load writes a second:
         most records are neither over a split threshold, nor crossing a merge
         threshold, nor due a persisted cold-since. Windows that expire with
-        time are the ticker's and the timers' job.
+        time are the ticker's and the timers' job. It reads the packed row
+        (:meth:`LoadTable.peek`): building a sample cost more than the rest.
         """
         observed = self._observe_load(change)
         if observed is None:
             return False
-        state, policy = observed
+        state, policy, (rates, changed_ms, sampled_ms, held) = observed
         assert change.segment is not None
-        sample = state.loads[change.segment]
-        if _over(sample.rates, policy.split_thresholds):
+        if _over(rates, policy.split_thresholds):
             return True
-        cold = below(sample.rates, policy.merge_thresholds)
-        held = state.loads.cold(change.segment)
+        cold = _under(rates, policy.merge_thresholds)
         persisted = state.cold_since.get(change.segment)
         if cold != (held is not None or persisted is not None):
             return True  # a cold/warm transition
@@ -493,7 +496,7 @@ class Controller:
             cold
             and persisted is None
             and held is not None
-            and (held < sample.changed_at_ms or sample.sampled_at_ms is None)
+            and (held < changed_ms or sampled_ms is None)
         )
 
     def _carry_history(self, topic: TopicName) -> None:
@@ -709,7 +712,7 @@ class Controller:
                 sample = samples.get(seg.segment_id)
                 if sample is None:
                     continue
-                if _over(sample.rates, policy.split_thresholds) or (
+                if _over(sample.rates.as_tuple(), policy.split_thresholds) or (
                     len(active) > 1 and below(sample.rates, policy.merge_thresholds)
                 ):
                     quiet = False
@@ -1396,12 +1399,25 @@ def _sealed_by(decision: Split | Merge) -> tuple[int, ...]:
     return (decision.segment_id,) if isinstance(decision, Split) else (decision.a, decision.b)
 
 
-def _over(rates: Any, limits: Any) -> bool:
-    return bool(
-        rates.msg_rate_in > limits.msg_rate_in
-        or rates.byte_rate_in > limits.byte_rate_in
-        or rates.msg_rate_out > limits.msg_rate_out
-        or rates.byte_rate_out > limits.byte_rate_out
+def _over(rates: tuple[float, float, float, float], limits: Rates) -> bool:
+    """Any rate strictly above its limit (``policy``'s test, on a packed row)."""
+    a, b, c, d = rates
+    return (
+        a > limits.msg_rate_in
+        or b > limits.byte_rate_in
+        or c > limits.msg_rate_out
+        or d > limits.byte_rate_out
+    )
+
+
+def _under(rates: tuple[float, float, float, float], limits: Rates) -> bool:
+    """All rates strictly below their limits (:func:`policy.below`, on a packed row)."""
+    a, b, c, d = rates
+    return (
+        a < limits.msg_rate_in
+        and b < limits.byte_rate_in
+        and c < limits.msg_rate_out
+        and d < limits.byte_rate_out
     )
 
 
