@@ -17,6 +17,7 @@ from controllerd.adapters.store import KeyValue, Store, open_store
 from controllerd.core.layout import initial_layout, prune
 from controllerd.core.model import Decision, PolicySettings, TopicName, layout_from_json
 from controllerd.core.view import Keys
+from controllerd.daemon import controller as controller_module
 from controllerd.daemon.controller import Controller
 from tests.support.broker import layout_json
 from tests.support.etcd import EtcdServer
@@ -696,6 +697,13 @@ async def test_a_leader_acts_on_whole_topics_while_the_rest_still_loads(
     etcd_server: EtcdServer, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(store_module, "PAGE_SIZE", 20)  # 7 keys a topic: pages end inside one
+    frozen: list[int | None] = []  # first_pass_remaining at each freeze
+    running: list[Harness] = []
+    monkeypatch.setattr(
+        controller_module,
+        "_freeze_survivors",
+        lambda: frozen.append(running[0].controller.first_pass_remaining),
+    )
     cfg = make_config(etcd_prefix, "")
     keys = Keys(cfg.metadata_prefix, cfg.controller_root)
     topics = sorted(topic_names(20, namespaces=20), key=keys.layout)
@@ -711,6 +719,7 @@ async def test_a_leader_acts_on_whole_topics_while_the_rest_still_loads(
             store=cast(Store, gated),
             lead_while_loading=True,
         ) as h:
+            running.append(h)
             for topic in topics:
                 h.broker_state.topics[topic] = initial_layout(4, 0)
             gated.allow(1)  # the first two topics whole, the third begun
@@ -721,6 +730,7 @@ async def test_a_leader_acts_on_whole_topics_while_the_rest_still_loads(
             assert h.controller.status()["first_pass_remaining"] is None  # not known yet
             assert not h.controller._missed  # loading is no change to take over first
             assert decisions_made(h) == 2  # the two whole topics, nothing else
+            assert not frozen  # the first pass is not over
             await h.controller.gc_round()  # GC waits for the whole view
             assert not any("/backlog" in r.path for r in h.broker_state.requests)
             gated.allow(100)
@@ -729,6 +739,19 @@ async def test_a_leader_acts_on_whole_topics_while_the_rest_still_loads(
             assert decisions_made(h) >= len(topics)
             assert not h.controller.partial
             assert splits_of(h, first) == 1
+            assert frozen == [0]  # what the first pass left is frozen once, when it ends
+
+
+def test_what_a_first_pass_leaves_is_frozen_out_of_full_collections() -> None:
+    kept = [(n, {"policy": n}) for n in range(1000)]  # like the per-topic caches
+    before = gc.get_freeze_count()
+    try:
+        controller_module._freeze_survivors()
+        assert gc.get_freeze_count() >= before + len(kept)
+        scanned = {id(o) for o in gc.get_objects()}  # what a full collection walks
+        assert not any(id(k) in scanned for k in kept)
+    finally:
+        gc.unfreeze()
 
 
 async def test_topics_without_overrides_of_their_own_share_one_resolved_policy(
