@@ -721,8 +721,9 @@ class Controller:
                 sample = samples.get(seg.segment_id)
                 if sample is None:
                     continue
-                if _over(sample.rates.as_tuple(), policy.split_thresholds) or (
-                    len(active) > 1 and below(sample.rates, policy.merge_thresholds)
+                rates = sample.rates.as_tuple()
+                if _over(rates, policy.split_thresholds) or (
+                    len(active) > 1 and _under(rates, policy.merge_thresholds)
                 ):
                     quiet = False
                     break
