@@ -616,9 +616,13 @@ async def test_ticks_skip_quiet_topics_until_their_inputs_change_or_a_full_pass(
         assert controller.order == []
         assert await tick() == 1  # the first tick is a full pass
         assert await tick() == 0  # quiet, nothing changed
+        mark = controller._quiet[TOPIC]
         await h.put_load(0, 4_200.0)  # balanced: a record that cannot change the answer
         await eventually(lambda: controller.view.topics[TOPIC].loads[0].rates.msg_rate_in > 4_100)
         assert await tick() == 0
+        # moved in place: no new object per record for the collector's full scans to walk
+        assert controller._quiet[TOPIC] is mark
+        assert mark.version == controller.view.topics[TOPIC].version
         evaluated = len(controller.order)
         await h.put_load(0, 40.0)  # below the merge thresholds: triggers, no longer quiet
         await eventually(lambda: idle() and len(controller.order) == evaluated + 1)

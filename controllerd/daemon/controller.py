@@ -201,7 +201,7 @@ class Controller:
         # that could merge), with the view version and policy it saw: until either
         # changes, time alone cannot change that answer, so ticks skip them (issue #12:
         # a tick evaluating 100,000 topics took 16 s of CPU).
-        self._quiet: dict[TopicName, tuple[int, PolicySettings | PolicyInvalid]] = {}
+        self._quiet: dict[TopicName, _QuietMark] = {}
         self._ticks = 0
         self._scan = anyio.Event()
         # the work queue
@@ -434,8 +434,8 @@ class Controller:
         """
         seen = self._quiet.get(topic)
         state = self.view.topics.get(topic)
-        if seen is not None and state is not None and seen[0] == state.version - 1:
-            self._quiet[topic] = (state.version, seen[1])
+        if seen is not None and state is not None and seen.version == state.version - 1:
+            seen.version = state.version
 
     def _note_missed(self, change: Change) -> None:
         """Remember a change that another replica's leadership covers (see ``_missed``)."""
@@ -691,7 +691,7 @@ class Controller:
         """Whether the topic was quiet at its last evaluation, on these inputs and ``policy``
         (the topic's :meth:`resolved_policy`)."""
         seen = self._quiet.get(state.name)
-        return seen is not None and seen[0] == state.version and seen[1] is policy
+        return seen is not None and seen.version == state.version and seen.policy is policy
 
     def _note_quiet(
         self,
@@ -727,10 +727,13 @@ class Controller:
                 ):
                     quiet = False
                     break
-        if quiet:
-            self._quiet[state.name] = (state.version, policy)
-        else:
+        seen = self._quiet.get(state.name)
+        if not quiet:
             self._quiet.pop(state.name, None)
+        elif seen is None:
+            self._quiet[state.name] = _QuietMark(state.version, policy)
+        else:
+            seen.version, seen.policy = state.version, policy
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -1406,6 +1409,18 @@ class Controller:
 
 def _sealed_by(decision: Split | Merge) -> tuple[int, ...]:
     return (decision.segment_id,) if isinstance(decision, Split) else (decision.a, decision.b)
+
+
+@dataclass(slots=True)
+class _QuietMark:
+    """The view version and policy a topic was last found quiet on (see ``_quiet``).
+
+    Updated in place: a storm of balanced records moves every mark, and a new object
+    per record would each be walked by the collector's full scans until replaced.
+    """
+
+    version: int
+    policy: PolicySettings | PolicyInvalid
 
 
 def _freeze_survivors() -> None:
