@@ -83,6 +83,35 @@ async def test_a_consumer_burst_settles_into_one_split(
         assert active_count(h) == 4  # one decision, a segment per consumer
 
 
+async def test_a_tick_inside_the_settle_window_waits_for_it(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Registrations spread over the window are one decision, even with a tick inside
+    it (the e2e test saw 3 children of 4 when a tick came between registrations)."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix, settle=2.0, interval=1.0) as h:
+        await h.add_topic(segments=1)
+        await h.add_subscription("s")
+
+        def registered(n: int) -> bool:
+            state = h.controller.view.topics.get(TOPIC)
+            return state is not None and len(state.consumers.get("s", ())) == n
+
+        for i in range(2):
+            await h.register("s", f"c{i}")
+        await eventually(lambda: h.view_layout() is not None and registered(2))
+        ticks = h.controller._ticks
+        await h.clock.advance(1.0)  # a tick, inside the window
+        await eventually(lambda: h.controller._ticks == ticks + 1)
+        await eventually(lambda: not h.controller.status()["queued"])
+        assert h.requests("/split/") == 0
+        for i in range(2, 4):
+            await h.register("s", f"c{i}")
+        await eventually(lambda: registered(4))
+        await h.clock.advance(1.0)  # the window closes
+        await eventually(lambda: h.requests("/split/") == 1)
+        assert active_count(h) == 4
+
+
 async def test_hot_load_record_splits_k_ways_at_once(
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:

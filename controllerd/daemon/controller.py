@@ -572,7 +572,14 @@ class Controller:
     # -- the work queue -------------------------------------------------------------------
 
     def trigger(self, topic: TopicName, *, urgent: bool = True) -> None:
-        """Ask for an evaluation of ``topic``; coalesces while one is queued or in flight."""
+        """Ask for an evaluation of ``topic``; coalesces while one is queued or in flight.
+
+        A topic whose consumers are settling waits for its settle timer, which
+        triggers it: a tick or a load record inside the window would otherwise
+        split for the consumers registered so far, and again for the rest.
+        """
+        if topic in self._settling:
+            return
         if topic in self._in_flight:
             self._again.add(topic)
             return
