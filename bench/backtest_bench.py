@@ -27,15 +27,19 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from controllerd.pipeline.engines import RunOptions, run_local, run_spark, spark_session
-from controllerd.pipeline.load import Skew, source_for
+from controllerd.pipeline.load import Skew, Trace, source_for
 from controllerd.pipeline.simulate import METRIC_COLUMNS, simulate
 from controllerd.pipeline.traces import TraceOptions, discover
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, load_variants
 from tests.support.shared import traces_dir
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,6 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--variants", default=str(ROOT / "examples/variants.toml"))
     parser.add_argument("--engines", default="local,spark")
     parser.add_argument("--max-hours", type=float)
+    parser.add_argument(
+        "--short-hours",
+        type=float,
+        default=48.0,
+        help="also replay each trace's first H hours, to split fixed cost from cost per step",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--repeat", type=int, default=2, help="runs per engine (best shown)")
@@ -93,27 +103,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  event-driven:        {steps / fast:,.0f} steps/s ({slow / fast:.1f}x)")
     print(f"  steps visited:       {100 * visited / steps:.1f}%")
 
+    short = discover(args.traces, TraceOptions(max_hours=args.short_hours))
     results: dict[str, pd.DataFrame] = {}
     rate: dict[str, float] = {}
+    marginal: dict[str, tuple[float, float]] = {}  # engine -> (fixed seconds, steps/s)
     for engine in args.engines.split(","):
         if engine not in ("local", "spark"):
             parser.error(f"unknown engine {engine!r}")
         session = spark_session(args.master) if engine == "spark" else None
+
+        def replay(which: Sequence[Trace], spark: SparkSession | None = session) -> pd.DataFrame:
+            if spark is None:
+                return run_local(which, variants, options, workers=args.workers)
+            return run_spark(which, variants, options, spark=spark)
+
         times: list[float] = []
+        short_times: list[float] = []
         try:
             for _ in range(max(1, args.repeat)):
                 started = time.perf_counter()
-                if session is None:
-                    result = run_local(traces, variants, options, workers=args.workers)
-                else:
-                    result = run_spark(traces, variants, options, spark=session)
+                result = replay(traces)
                 times.append(time.perf_counter() - started)
+            for _ in range(max(1, args.repeat)):
+                started = time.perf_counter()
+                short_result = replay(short)
+                short_times.append(time.perf_counter() - started)
         finally:
             if session is not None:
                 session.stop()
         seconds = min(times)
         total = steps_of(result, interval)
         rate[engine] = total / seconds
+        short_total = steps_of(short_result, interval)
+        if seconds > min(short_times) and total > short_total:
+            per_step = (seconds - min(short_times)) / (total - short_total)
+            marginal[engine] = (max(0.0, seconds - total * per_step), 1.0 / per_step)
         label = (
             f"{engine} ({args.master})"
             if engine == "spark"
@@ -123,6 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n{label}: runs {runs} s (the first Spark query also starts its Python workers)")
         print(f"  groups/s:              {groups / seconds:.2f}")
         print(f"  evaluation steps/s:    {rate[engine]:,.0f} ({total:,.0f} steps)")
+        print(
+            f"  first {args.short_hours:g} h of each trace: runs "
+            + ", ".join(f"{t:.1f}" for t in short_times)
+            + f" s ({short_total:,.0f} steps)"
+        )
+        if engine in marginal:
+            fixed, steps_per_s = marginal[engine]
+            print(
+                f"  fixed cost per run:    {fixed:.1f} s; each further step: "
+                f"{steps_per_s:,.0f} steps/s (from the two sizes)"
+            )
         results[engine] = result
     if len(results) == 2:
         local, spark = (r[["trace", "variant", *METRIC_COLUMNS]] for r in results.values())
@@ -136,6 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"variants = {fleet:,.0f} steps at {rate[engine]:,.0f} steps/s ({engine}): "
         f"{minutes:,.1f} minutes (goal <= 10)"
     )
+    if engine in marginal:
+        fixed, steps_per_s = marginal[engine]
+        print(
+            f"  without counting the fixed cost once per group of traces: {fixed:.1f} s + "
+            f"{fleet:,.0f} steps at {steps_per_s:,.0f} steps/s = "
+            f"{(fixed + fleet / steps_per_s) / 60:,.1f} minutes"
+        )
     return 0
 
 
