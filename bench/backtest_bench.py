@@ -11,7 +11,9 @@ It also replays a sample in one process both ways, event-driven and step by
 step (the reference the event-driven replay is tested against), and prints the
 speed-up and the share of steps the replay visits. Finally it projects the time
 for ``--topics`` topics x ``--days`` days x ``--fleet-variants`` variants (the
-issue's yardstick: 10,000 x 30 x 5) at the measured Spark rate: that assumes a
+issue's yardstick: 10,000 x 30 x 5) at the measured Spark rate, and again with the
+run's fixed cost (Spark's per-query overhead, worker start) paid once, from the
+rate of the steps beyond the first ``--short-hours`` of each trace: that assumes a
 fleet whose load changes as often as these traces' does (NAB and AWS: every 5 or
 30 minutes); a quieter fleet replays faster, one that changes every minute slower.
 
@@ -174,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if engine in marginal:
         fixed, steps_per_s = marginal[engine]
         print(
-            f"  without counting the fixed cost once per group of traces: {fixed:.1f} s + "
+            f"  with the fixed cost paid once, not per {groups} groups: {fixed:.1f} s + "
             f"{fleet:,.0f} steps at {steps_per_s:,.0f} steps/s = "
             f"{(fixed + fleet / steps_per_s) / 60:,.1f} minutes"
         )

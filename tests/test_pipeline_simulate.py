@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Final
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -208,3 +209,25 @@ def test_zipf_concentrates_load_on_keys_and_is_reproducible() -> None:
     assert halves[0] != sc.rates(0, 0x7FFF).msg_rate_in
     slices = [sa.rates(h, h + 0xFF).msg_rate_in for h in range(0, 0x10000, 0x100)]
     assert max(slices) > 0.3 * THRESHOLD  # uniform would give each 1/256 of the load
+
+
+@pytest.mark.parametrize("skew", ["uniform", "zipf:1.2:50", "hotkey:0.4", "hotspot:0.6:1"])
+def test_a_snapshots_plain_load_equals_its_rates(skew: str) -> None:
+    """The replay reads ``load`` (tuples); records and tests read ``rates``: the same numbers."""
+    history = Trace(
+        "t/n/h",
+        "history",
+        [T0, T0 + MINUTE, T0 + 2 * MINUTE],
+        [0, 0, 0x9000],
+        [0xFFFF, 0x7FFF, 0xA000],
+        [(1000.0, 7.0, 3.0, 1.0), (100.0, 1.0, 2.0, 3.0), (33.3, 0.1, 0.2, 0.3)],
+    )
+    sources = [source_for(series("z", [1.0, 2.5, 0.7]), Skew.parse(skew), seed=3)]
+    sources.append(HistoryLoad(history))
+    ranges = [(0, 0xFFFF), (0, 0x7FFF), (0x8000, 0xFFFF), (0x4000, 0xBFFF), (0x9000, 0x9000)]
+    for source in sources:
+        for index in range(len(source.change_times())):
+            snap = source.snapshot(index)
+            assert snap.total_load() == snap.total().as_tuple()
+            for start, end in ranges:
+                assert snap.load(start, end) == snap.rates(start, end).as_tuple()

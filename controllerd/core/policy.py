@@ -193,11 +193,12 @@ def _within(last_ms: int | None, cooldown_s: float, now_ms: int) -> bool:
 
 def is_stale(sample: LoadSample, policy: PolicySettings, now_ms: int) -> bool:
     """True when a reporter has not vouched for the record within ``load_ttl``."""
-    return (
-        policy.load_ttl_seconds > 0
-        and sample.sampled_at_ms is not None
-        and now_ms - sample.sampled_at_ms > policy.load_ttl_seconds * 1000.0
-    )
+    return sample.sampled_at_ms is not None and stale_at(sample.sampled_at_ms, policy, now_ms)
+
+
+def stale_at(sampled_at_ms: int, policy: PolicySettings, now_ms: int) -> bool:
+    """:func:`is_stale` of a record sampled at ``sampled_at_ms`` (the replay keeps no record)."""
+    return policy.load_ttl_seconds > 0 and now_ms - sampled_at_ms > policy.load_ttl_seconds * 1000.0
 
 
 def below(rates: Rates, limits: Rates) -> bool:

@@ -217,8 +217,17 @@ class Snapshot(Protocol):
         """The four rates of hash range ``[start, end]``."""
         ...
 
+    def load(self, start: int, end: int) -> RateTuple:
+        """:meth:`rates` as a plain tuple, equal to it; the replay asks this for every
+        segment at every visited step and builds :class:`Rates` only for a record."""
+        ...
+
     def total(self) -> Rates:
         """The four rates of the whole topic."""
+        ...
+
+    def total_load(self) -> RateTuple:
+        """:meth:`total` as a plain tuple."""
         ...
 
     def buckets(self, start: int, end: int, n: int) -> tuple[float, ...]:
@@ -289,8 +298,16 @@ class _SeriesSnapshot:
             cached = self._cache[key] = Rates(t[0] * s, t[1] * s, t[2] * s, t[3] * s)
         return cached
 
+    def load(self, start: int, end: int) -> RateTuple:
+        s = self.spread.share(start, end)
+        t = self.totals
+        return (t[0] * s, t[1] * s, t[2] * s, t[3] * s)
+
     def total(self) -> Rates:
         return Rates(*self.totals)
+
+    def total_load(self) -> RateTuple:
+        return self.totals
 
     def buckets(self, start: int, end: int, n: int) -> tuple[float, ...]:
         msgs, share = self.totals[0], self.spread.share
@@ -435,8 +452,14 @@ class _HistorySnapshot:
             cached = self._cache[key] = Rates(*self.pieces.query(start, end))
         return cached
 
+    def load(self, start: int, end: int) -> RateTuple:
+        return self.pieces.query(start, end)
+
     def total(self) -> Rates:
         return self.rates(0, HASH_MAX)
+
+    def total_load(self) -> RateTuple:
+        return self.pieces.query(0, HASH_MAX)
 
     def buckets(self, start: int, end: int, n: int) -> tuple[float, ...]:
         query = self.pieces.query

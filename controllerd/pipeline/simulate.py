@@ -73,9 +73,9 @@ from controllerd.core.policy import (
     below,
     decide,
     inherited_cold_since,
-    is_stale,
     may_act,
     next_decision_ms,
+    stale_at,
 )
 from controllerd.pipeline.load import LoadSource
 
@@ -191,12 +191,11 @@ class SimResult:
 class _Reporter:
     """One segment's reporter and what etcd holds for it."""
 
+    #: the record etcd holds: its rates, sampledAtMs, changedAtMs and hashBuckets
     written: Rates | None = None
     written_at: int | None = None
     changed_at: int = 0
-    record: LoadSample | None = None
-    last_seen: Rates | None = None
-    quiet: bool = False
+    buckets: tuple[float, ...] | None = None
     #: whether the record was stale when cold-since was last tracked (None: never).
     stale: bool | None = None
 
@@ -224,7 +223,7 @@ class _Ops:
 class Gate:
     """The content half of :func:`controllerd.core.loadreport.should_write`, unrolled.
 
-    ``quiet(old, new)`` is True exactly when ``should_write`` would give no
+    ``quiet(old, *new)`` is True exactly when ``should_write`` would give no
     reason but a heartbeat (tested against it): the replay asks it first, on
     every segment of every visited step, and calls ``should_write`` only when a
     record is written.
@@ -237,12 +236,13 @@ class Gate:
         self.split = rule.split_thresholds.as_tuple()
         self.merge = rule.merge_thresholds.as_tuple()
 
-    def quiet(self, old: Rates, new: Rates) -> bool:
+    def quiet(self, old: Rates, c0: float, c1: float, c2: float, c3: float) -> bool:
+        """``old`` is the record; ``c0``-``c3`` the new rates, in :class:`Rates` order."""
         # Unrolled: this runs for every active segment at every visited step.
         lim, crossing = self.limit, self.crossing
         s0, s1, s2, s3 = self.split
         m0, m1, m2, m3 = self.merge
-        o, c = old.msg_rate_in, new.msg_rate_in
+        o, c = old.msg_rate_in, c0
         if o != c and (
             o == 0.0
             or c == 0.0
@@ -250,7 +250,7 @@ class Gate:
             or (crossing and ((o > s0) != (c > s0) or (o < m0) != (c < m0)))
         ):
             return False
-        o, c = old.byte_rate_in, new.byte_rate_in
+        o, c = old.byte_rate_in, c1
         if o != c and (
             o == 0.0
             or c == 0.0
@@ -258,7 +258,7 @@ class Gate:
             or (crossing and ((o > s1) != (c > s1) or (o < m1) != (c < m1)))
         ):
             return False
-        o, c = old.msg_rate_out, new.msg_rate_out
+        o, c = old.msg_rate_out, c2
         if o != c and (
             o == 0.0
             or c == 0.0
@@ -266,7 +266,7 @@ class Gate:
             or (crossing and ((o > s2) != (c > s2) or (o < m2) != (c < m2)))
         ):
             return False
-        o, c = old.byte_rate_out, new.byte_rate_out
+        o, c = old.byte_rate_out, c3
         return not (
             o != c
             and (
@@ -353,6 +353,9 @@ def simulate(
     cold_since: dict[int, int] = {}
     sealed_cold: dict[int, int] = {}  # cold-since of sealed segments, for their children
     view: dict[int, LoadSample] = {}
+    # Segments whose view entry is behind their reporter: rebuilt only when decide reads
+    # the view (building a record per write and per heartbeat was most of a visit's cost).
+    stale_view: set[int] = set()
     history = TopicHistory()
     sealed: deque[tuple[int, int]] = deque()
     ops = _Ops()
@@ -387,19 +390,19 @@ def simulate(
         for seg in active:
             sid = seg.segment_id
             rng = seg.hash_range
-            current = snap.rates(rng.start, rng.end)
-            score = current.msg_rate_in / r0
-            if (x := current.byte_rate_in / r1) > score:
+            c0, c1, c2, c3 = snap.load(rng.start, rng.end)
+            score = c0 / r0
+            if (x := c1 / r1) > score:
                 score = x
-            if (x := current.msg_rate_out / r2) > score:
+            if (x := c2 / r2) > score:
                 score = x
-            if (x := current.byte_rate_out / r3) > score:
+            if (x := c3 / r3) > score:
                 score = x
             if score > 1.0:
                 above += 1
                 step_excess += score - 1.0
-                if current.msg_rate_in > r0:
-                    step_msgs += current.msg_rate_in - r0
+                if c0 > r0:
+                    step_msgs += c0 - r0
             if score > hottest:  # noqa: PLR1730 - not max(): this runs per segment per step
                 hottest = score
 
@@ -409,30 +412,13 @@ def simulate(
             elif lazy_heartbeats and not step_by_step and rep.written_at is not None:
                 # the heartbeats of the steps skipped since this reporter's last visit
                 due = (t - 1 - rep.written_at) // heartbeat_ms
-                if due > 0 and rep.record is not None:
+                if due > 0:
                     rep.written_at += due * heartbeat_ms
                     writes += due
-                    rep.record = LoadSample(
-                        rep.record.rates,
-                        rep.changed_at,
-                        rep.written_at,
-                        hash_buckets=rep.record.hash_buckets,
-                    )
-                    cs = cold_since.get(sid)
-                    view[sid] = (
-                        rep.record
-                        if cs is None
-                        else LoadSample(
-                            rep.record.rates,
-                            rep.changed_at,
-                            rep.written_at,
-                            cs,
-                            hash_buckets=rep.record.hash_buckets,
-                        )
-                    )
+                    stale_view.add(sid)
             written = rep.written
             reason: WriteReason | None
-            if written is not None and gate.quiet(written, current):
+            if written is not None and gate.quiet(written, c0, c1, c2, c3):
                 # no change worth a write (the common case): only a heartbeat can be due
                 reason = (
                     WriteReason.HEARTBEAT
@@ -446,35 +432,33 @@ def simulate(
                 # against it); which one does not matter here.
                 reason = WriteReason.MATERIAL_CHANGE
             touched = False
-            if reason is WriteReason.HEARTBEAT and rep.record is not None:
+            if reason is WriteReason.HEARTBEAT:
                 rep.written_at = t
-                rep.record = LoadSample(
-                    rep.record.rates, rep.changed_at, t, hash_buckets=rep.record.hash_buckets
-                )
                 touched = True
             elif reason is not None:
+                current = Rates(c0, c1, c2, c3)
                 rep.written, rep.written_at, rep.changed_at = current, t, t
-                buckets = snap.buckets(rng.start, rng.end, n_buckets) if n_buckets else None
-                rep.record = LoadSample(current, t, t, hash_buckets=buckets)
+                if n_buckets:
+                    rep.buckets = snap.buckets(rng.start, rng.end, n_buckets)
                 if use_history:
                     history.observe(sid, current, t, policy)
                 touched = True
             if touched:
                 writes += 1
-            record = rep.record
-            if record is None:
+            record = rep.written
+            if record is None or rep.written_at is None:
                 continue
             if track_cold:
                 # The outcome only changes with the record or its staleness: the
                 # event-driven replay skips the rest (the step-by-step one never does).
-                stale = is_stale(record, policy, t)
+                stale = stale_at(rep.written_at, policy, t)
                 if step_by_step or touched or stale is not rep.stale:
                     rep.stale = stale
-                    cold = not stale and below(record.rates, merge_limits)
+                    cold = not stale and below(record, merge_limits)
                     if cold and sid not in cold_since:
                         inherited = inherited_cold_since(layout, sid, sealed_cold)
                         cold_since[sid] = (
-                            inherited if inherited is not None else min(record.changed_at_ms, t)
+                            inherited if inherited is not None else min(rep.changed_at, t)
                         )
                         touched = True
                     elif not stale and not cold and sid in cold_since:
@@ -482,34 +466,32 @@ def simulate(
                         touched = True
             if touched:
                 dirty = True
-                cs = cold_since.get(sid)
-                view[sid] = (
-                    record
-                    if cs is None
-                    else LoadSample(
-                        record.rates,
-                        record.changed_at_ms,
-                        record.sampled_at_ms,
-                        cs,
-                        hash_buckets=record.hash_buckets,
-                    )
-                )
+                stale_view.add(sid)
         if snap is not topic_of[0]:
-            total = snap.total()
-            topic_of = (
-                snap,
-                max(
-                    total.msg_rate_in / r0,
-                    total.byte_rate_in / r1,
-                    total.msg_rate_out / r2,
-                    total.byte_rate_out / r3,
-                ),
-            )
+            c0, c1, c2, c3 = snap.total_load()
+            topic_of = (snap, max(c0 / r0, c1 / r1, c2 / r2, c3 / r3))
         measure: Measure = (n, above, step_excess, step_msgs, hottest, topic_of[1])
 
         # 4. decide and apply; the new layout triggers another evaluation at once,
         # as its watch event does in the daemon (so a cooldown of 0 allows a second op)
         operated = False
+        if (
+            stale_view
+            and policy.enabled  # a disabled policy reads no records
+            and (step_by_step or dirty or (wake is not None and t >= wake))
+        ):
+            # what etcd holds for these segments, as the controller reads it
+            for sid in stale_view:
+                rep = reporters[sid]
+                if rep.written is not None and rep.written_at is not None:
+                    view[sid] = LoadSample(
+                        rep.written,
+                        rep.changed_at,
+                        rep.written_at,
+                        cold_since.get(sid),
+                        hash_buckets=rep.buckets,
+                    )
+            stale_view.clear()
         if not step_by_step and dirty and not may_act(layout, view, {}, policy):
             dirty, wake = False, None  # nothing can happen until a record changes
         if step_by_step or dirty or (wake is not None and t >= wake):
@@ -562,6 +544,7 @@ def simulate(
                     if (was := cold_since.pop(sid, None)) is not None:
                         sealed_cold[sid] = was  # a merge child may take it over
                     view.pop(sid, None)
+                    stale_view.discard(sid)
                     sealed.append((t, sid))
                 peak = max(peak, log[-1].segments_after)
                 if check_layout:
@@ -600,7 +583,7 @@ def simulate(
     if lazy_heartbeats and not step_by_step:
         end_ms = source.start_ms + len_steps(source, step_ms) * step_ms
         for rep in reporters.values():
-            if rep.written_at is not None and rep.record is not None:
+            if rep.written_at is not None and rep.written is not None:
                 writes += max(0, (end_ms - 1 - rep.written_at) // heartbeat_ms)
     return _result(
         runs,
