@@ -497,3 +497,11 @@ def test_to_dict_round_trips_through_load() -> None:
     )
     assert load(_toml(to_dict(config))) == config
     assert load(_toml(to_dict(Config()))) == Config()
+
+
+@pytest.mark.parametrize("value", [1e308, 315_360_001, math.nan, -1.0])
+def test_policy_durations_are_bounded_to_ten_years(value: float) -> None:
+    """1e308 s passed as finite, then overflowed as milliseconds (an internal error)."""
+    (err,) = PolicySettings(merge_window_seconds=value).errors()
+    assert err.startswith("policy.merge_window_seconds: must be between 0 and 315,360,000")
+    assert PolicySettings(merge_window_seconds=315_360_000).errors() == []

@@ -111,6 +111,77 @@ def test_bad_input_exits_2_naming_the_problem(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-hours", "-1"], "--max-hours must be a finite number > 0"),
+        (["--max-hours", "nan"], "--max-hours must be a finite number > 0"),
+        (["--msg-bytes", "0"], "--msg-bytes must be a finite number > 0"),
+        (["--msg-bytes", "inf"], "--msg-bytes must be a finite number > 0"),
+        (["--peak-over-threshold", "inf"], "--peak-over-threshold must be a finite number"),
+        (["--skew", "zipf:400"], "0 <= S <= 20"),
+        (["--skew", "hotspot:0.5:1e-9"], "HOURS >= 1/60"),
+        (["--skew", "hotspot:0.5:inf"], "HOURS >= 1/60"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(
+    tmp_path: Path,
+    traces: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    message: str,
+) -> None:
+    out = str(tmp_path / "out")
+    assert main(["backtest", "--traces", str(traces), "--out", out, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_replay(
+    tmp_path: Path, traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x", encoding="utf-8")
+    for out in (str(afile), str(afile / "sub"), ""):
+        assert main(["backtest", "--traces", str(traces), "--out", out, "--no-plots"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("controllerd: --out ") and len(err.splitlines()) == 1
+    blocked = tmp_path / "blocked"
+    (blocked / "metrics.csv").mkdir(parents=True)  # a directory where the file goes
+    assert main(["backtest", "--traces", str(traces), "--out", str(blocked), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("controllerd: --out ") and "metrics.csv" in err
+
+
+def test_tune_refuses_what_it_cannot_cross_validate(
+    tmp_path: Path, traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    grid = tmp_path / "grid.toml"
+    grid.write_text(
+        '[variants.c]\npreset = "controllerd"\ngrid."policy.merge_window_seconds" = [600, 3600]\n',
+        encoding="utf-8",
+    )
+    one = str(traces / "calm.csv")
+    out = str(tmp_path / "out")
+    assert main(["tune", "--traces", one, "--grid", str(grid), "--out", out]) == 2
+    assert "--cv loto needs at least two traces" in capsys.readouterr().err
+    # --reuse: a metrics.csv with a column missing, then with a cell that is not a number
+    args = ["tune", "--traces", str(traces), "--grid", str(grid), "--out", out]
+    assert main([*args, "--workers", "1"]) == 0
+    capsys.readouterr()
+    good = (Path(out) / "metrics.csv").read_text(encoding="utf-8").splitlines()
+    for name, lines, message in (
+        ("cut.csv", [",".join(good[0].split(",")[:-3])], "no column"),
+        ("nan.csv", [good[0], good[1].replace(good[1].split(",")[2], "nan", 1)], ":2: "),
+        ("twice.csv", [good[0], good[1], good[1]], "appears twice"),
+    ):
+        reuse = tmp_path / name
+        reuse.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        assert main([*args, "--reuse", str(reuse)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "(setting: --reuse)" in err, err
+
+
 # --- the console command, as an operator runs it --------------------------------------------
 
 ROOT = Path(__file__).resolve().parent.parent

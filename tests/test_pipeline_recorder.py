@@ -84,11 +84,18 @@ async def test_records_snapshot_and_watch_as_parquet_by_topic_and_hour(
         await store.put(f"{topic}/segments/2/load", load(6_000.0, T0 + HOUR_MS + 60_000))
         await store.put(f"{topic}/segments/3/load", load(5_500.0, T0 + HOUR_MS + 61_000))
         await store.put(f"{topic}/segments/9/load", b"{not json")
+        # garbage that parses: times with no calendar hour, an int64 overflow, deep nesting
+        await store.put(f"{topic}/segments/9/load", load(1.0, 99_999_999_999_999_999))
+        await store.put(f"{topic}/segments/9/load", load(1.0, -62_135_596_800_001))
+        bad = json.loads(load(1.0, T0))
+        bad["changedAtMs"] = 10**23
+        await store.put(f"{topic}/segments/9/load", json.dumps(bad).encode())
+        await store.put(f"{topic}/segments/9/load", b"[" * 100_000)
         await store.put(f"{topic}/segments/4/load", load(1.0, T0 + HOUR_MS + 62_000))
         await sink.wait_for(LOADS, 5)
         tg.cancel_scope.cancel()
     await sink.flush()
-    assert recorder.rejected == 1
+    assert recorder.rejected == 5  # each skipped and counted; the recorder carries on
     assert sink.counts == {LOADS: 5, LAYOUTS: 2, DECISIONS: 0}
 
     hours = sorted(p.name for p in (tmp_path / LOADS / "topic=acme%2Fns%2Forders").iterdir())

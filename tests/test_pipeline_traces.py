@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from pathlib import Path
 
 import pytest
@@ -45,12 +46,32 @@ def test_max_hours_cuts_the_series_before_scaling(tmp_path: Path) -> None:
         ("2015-01-01 00:00:00,x\n2015-01-01 00:05:00,1\n", ":1:"),
         ("2015-01-01 00:00:00\n", "expected timestamp,value"),
         ("0,0\n60,0\n", "all values are zero"),
-        ("0,-1\n", "negative"),
+        ("0,1\n60,-1\n", ":2: value '-1' is not a finite number >= 0"),
+        ("0,1\n60,nan\n", ":2: value 'nan' is not a finite number >= 0"),
+        ("0,1\n60,1e400\n", ":2: value '1e400' is not a finite number >= 0"),
+        ("0,1\ninf,2\n", ":2: time 'inf' is not in 1970-9999"),
+        ("0,1\n1e300,2\n", ":2: time '1e300' is not in 1970-9999"),
+        ("0,1\n-1e15,2\n", ":2: time '-1e15' is not in 1970-9999"),
+        ("1441115100000,3\n1441115400000,4\n", ":1: time .* milliseconds"),
     ],
 )
 def test_bad_csv_is_refused_with_the_file_and_row(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(TraceError, match=message):
         import_csv(write(tmp_path / "bad.csv", text), TraceOptions())
+
+
+def test_a_file_that_is_not_utf8_text_is_refused_naming_it(tmp_path: Path) -> None:
+    binary = tmp_path / "garbage.csv"
+    binary.write_bytes(b"0,1\n60,2\n\xbe\xef\x00\xff,3\n")
+    with pytest.raises(TraceError, match=r"garbage.csv: not UTF-8 text"):
+        discover([tmp_path], TraceOptions())
+
+
+def test_max_hours_that_keeps_no_row_is_refused(tmp_path: Path) -> None:
+    csv = write(tmp_path / "t.csv", "3600,1\n7200,2\n")
+    assert len(import_csv(csv, TraceOptions(max_hours=0.5)).t_ms) == 1
+    with pytest.raises(TraceError, match="no rows in the first"):
+        import_csv(csv, TraceOptions(max_hours=-1))
 
 
 def test_discover_reads_a_directory_and_refuses_duplicate_names(tmp_path: Path) -> None:
@@ -87,3 +108,32 @@ def test_skew_parses(text: str, expected: Skew) -> None:
 def test_bad_skew_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="uniform"):
         Skew.parse(text)
+
+
+def test_history_rows_that_cannot_be_replayed_are_skipped_and_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controllerd.pipeline.history import LOADS, write_rows
+
+    t0 = 1_420_070_400_000
+    base = {"topic": "a/b/c", "observed_at_ms": t0, "mod_revision": 1, "segment_id": 0}
+    rates = {"msg_rate_in": 5.0, "byte_rate_in": 5.0, "msg_rate_out": 5.0, "byte_rate_out": 5.0}
+    good = {**base, **rates, "t_ms": t0, "range_start": 0, "range_end": 0xFFFF, "changed_at_ms": t0}
+    rows = [
+        good,
+        {**good, "t_ms": t0 + 60_000, "msg_rate_in": math.inf},
+        {**good, "t_ms": t0 + 120_000, "range_start": 0x9000, "range_end": 0x8000},
+        {**good, "t_ms": t0 + 180_000, "hash_buckets": [1.0, -2.0]},
+        {**good, "t_ms": t0 + 240_000, "range_start": None, "range_end": None},  # no layout yet
+    ]
+    write_rows(tmp_path, LOADS, rows)
+    (trace,) = discover([tmp_path], TraceOptions())
+    assert trace.t_ms == [t0]
+    assert "skipped 3 malformed load rows" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    write_rows(empty, LOADS, rows[1:])
+    with pytest.raises(TraceError, match="no load rows with a known hash range"):
+        discover([empty], TraceOptions())
+    (empty / LOADS / "README.txt").write_text("not parquet", encoding="utf-8")
+    with pytest.raises(TraceError, match="cannot read the recorded history"):
+        discover([empty], TraceOptions())

@@ -336,8 +336,8 @@ class PolicySettings:
             "peak_window_seconds",
         ):
             value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                bad(name, "a finite number >= 0", value)
+            if not 0 <= value <= MAX_POLICY_SECONDS:  # also NaN
+                bad(name, f"between 0 and {MAX_POLICY_SECONDS:,} (ten years)", value)
         if not self.merge_combined_max_ratio > 0:
             bad("merge_combined_max_ratio", "> 0", self.merge_combined_max_ratio)
         if not (self.merge_backoff_factor >= 1 and math.isfinite(self.merge_backoff_factor)):
@@ -356,6 +356,9 @@ class PolicySettings:
                 bad(f"split_thresholds.{attr}", f"> merge_thresholds.{attr} ({m!r})", s)
         return errs
 
+
+MAX_POLICY_SECONDS: Final = 315_360_000
+"""Ten years: a longer policy duration is a typo, and in milliseconds it still fits an int64."""
 
 MAX_BACKOFF_STEPS: Final = 6
 """At most this many flip-flops lengthen a merge window (factor ** 6 at most)."""

@@ -16,6 +16,7 @@ life.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Final
 from controllerd.errors import EXIT_OK, EXIT_USAGE, OperatorError
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from controllerd.pipeline.engines import RunOptions
     from controllerd.pipeline.load import Trace
     from controllerd.pipeline.variants import Variant
@@ -197,6 +200,68 @@ def operator_errors(
     return run
 
 
+def _out_dir(text: str) -> Path:
+    """``--out``, created and proven writable before any replay runs."""
+    import tempfile
+
+    if not text.strip():
+        raise OperatorError("--out must name a directory", setting="--out")
+    out = Path(text)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise OperatorError(
+            f"--out {text}: cannot write there: {exc.strerror or exc}", setting="--out"
+        ) from None
+    return out
+
+
+@contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """An output that cannot be written (say a directory where a file goes) names --out."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename or out
+        raise OperatorError(
+            f"--out {out}: cannot write {where}: {exc.strerror or exc}", setting="--out"
+        ) from None
+
+
+def _reused_metrics(results: pd.DataFrame, path: str) -> pd.DataFrame:
+    """A ``metrics.csv`` given to ``tune --reuse``: every column there, every metric a
+    finite number >= 0, no (trace, variant) twice."""
+    import pandas as pd
+
+    from controllerd.pipeline.simulate import METRIC_COLUMNS
+
+    missing = [c for c in ("trace", "variant", *METRIC_COLUMNS) if c not in results.columns]
+    if missing:
+        raise OperatorError(f"{path}: no column {missing[0]}", setting="--reuse")
+    for column in METRIC_COLUMNS:
+        values = pd.to_numeric(results[column], errors="coerce")
+        bad = ~(values.ge(0) & values.lt(math.inf))
+        if bad.any():
+            row = int(bad.to_numpy().nonzero()[0][0])
+            raise OperatorError(
+                f"{path}:{row + 2}: {column} {results[column].iloc[row]!r} "
+                "is not a finite number >= 0",
+                setting="--reuse",
+            )
+        results[column] = values
+    twice = results.duplicated(["trace", "variant"])
+    if twice.any():
+        row = int(twice.to_numpy().nonzero()[0][0])
+        raise OperatorError(
+            f"{path}:{row + 2}: trace {results['trace'].iloc[row]} x variant "
+            f"{results['variant'].iloc[row]} appears twice",
+            setting="--reuse",
+        )
+    return results
+
+
 def _require(args: argparse.Namespace, *modules: str) -> None:
     """Import what the run will need before it starts, not after minutes of replay."""
     import importlib
@@ -259,8 +324,13 @@ def _inputs(
         skew = Skew.parse(args.skew)
     except ValueError as exc:
         raise OperatorError(str(exc), setting="--skew") from None
-    if not args.peak_over_threshold > 0:
-        raise OperatorError("--peak-over-threshold must be > 0", setting="--peak-over-threshold")
+    for flag, value in (
+        ("--peak-over-threshold", args.peak_over_threshold),
+        ("--msg-bytes", args.msg_bytes),
+        ("--max-hours", args.max_hours),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise OperatorError(f"{flag} must be a finite number > 0 (got {value})", setting=flag)
     if args.workers is not None and args.workers < 1:
         raise OperatorError("--workers must be >= 1", setting="--workers")
     options = TraceOptions(
@@ -369,6 +439,7 @@ def cmd_backtest(args: argparse.Namespace) -> int:
 
     options, traces, histories, _ = _inputs(args, defer_history=args.engine == "spark")
     variants = _variants(args.variants, "--variants")
+    out = _out_dir(args.out)
     results, elapsed = _execute(args, "backtest", traces, histories, variants, options)
     names = list(dict.fromkeys(str(t) for t in results["trace"]))
     groups = len(results)
@@ -378,8 +449,8 @@ def cmd_backtest(args: argparse.Namespace) -> int:
         if elapsed > 0
         else ""
     )
-    out = Path(args.out)
-    report.write_outputs(results, out, run_info, plots=not args.no_plots)
+    with _writing(out):
+        report.write_outputs(results, out, run_info, plots=not args.no_plots)
     print(f"wrote {out / 'metrics.csv'} and {out / 'report.md'} ({groups} rows)")
     return EXIT_OK
 
@@ -418,8 +489,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise OperatorError(str(exc), setting="--cv") from None
     names = [t.name for t in traces]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir(args.out)
     if args.reuse:
         import pandas as pd
 
@@ -427,6 +497,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             results = pd.read_csv(args.reuse)
         except (OSError, ValueError) as exc:
             raise OperatorError(f"{args.reuse}: cannot read: {exc}", setting="--reuse") from None
+        results = _reused_metrics(results, args.reuse)
         have = set(zip(results.get("trace", []), results.get("variant", []), strict=False))
         missing = [(t, v.name) for t in names for v in variants if (t, v.name) not in have]
         if missing:
@@ -440,7 +511,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         elapsed = 0.0
     else:
         results, elapsed = _execute(args, "tune", traces, histories, variants, options)
-    metrics = report.write_metrics(results, out / "metrics.csv")
+    with _writing(out):
+        metrics = report.write_metrics(results, out / "metrics.csv")
     if scheme == "time":
         groups = {
             t.name: groups[t.name.removesuffix(tune.TRAIN).removesuffix(tune.TEST)] for t in traces
@@ -455,8 +527,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if not args.reuse
         else f"metrics reused from {args.reuse}"
     )
-    (out / "tune.md").write_text(tune.render(result, run_info, snippet), encoding="utf-8")
-    (out / "chosen.toml").write_text(snippet, encoding="utf-8")
+    with _writing(out):
+        (out / "tune.md").write_text(tune.render(result, run_info, snippet), encoding="utf-8")
+        (out / "chosen.toml").write_text(snippet, encoding="utf-8")
     pooled = result.pooled
     print(
         f"out of sample ({args.cv}, {pooled.traces} traces): excess load "
@@ -497,7 +570,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     from controllerd.pipeline.recorder import record_from_config
 
     configure_logging(cfg.logging.level, cfg.logging.format)
-
-    counts = anyio.run(record_from_config, cfg, Path(args.out), args.duration, args.flush_seconds)
+    out = _out_dir(args.out)
+    with _writing(out):
+        counts = anyio.run(record_from_config, cfg, out, args.duration, args.flush_seconds)
     print(", ".join(f"{n} {table} rows" for table, n in counts.items()))
     return EXIT_OK

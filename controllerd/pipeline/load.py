@@ -24,6 +24,7 @@ each of n equal slices of a range.
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,12 @@ from controllerd.core.model import HASH_MAX, HASH_SPACE, Rates
 RateTuple = tuple[float, float, float, float]
 TraceKind = Literal["series", "history"]
 ZERO: Final[RateTuple] = (0.0, 0.0, 0.0, 0.0)
+MAX_ZIPF_EXPONENT: Final = 20.0
+"""Beyond this the hottest key carries all the load to within a float's precision anyway."""
+MIN_MOVE_HOURS: Final = 1 / 60
+"""A hot spot moves at most once a minute (the shortest evaluation interval worth replaying)."""
+MAX_STAMP_MS: Final = 253_402_300_799_999
+"""9999-12-31T23:59:59.999Z: times in traces and histories lie in 0..this (a calendar date)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +104,7 @@ class Skew:
             if parts[0] == "zipf" and len(parts) in (2, 3):
                 exponent = float(parts[1])
                 keys = int(parts[2]) if len(parts) == 3 else 1000
-                if exponent >= 0 and keys >= 1:
+                if 0 <= exponent <= MAX_ZIPF_EXPONENT and 1 <= keys <= HASH_SPACE:
                     return cls("zipf", exponent, keys)
             if parts[0] == "hotkey" and len(parts) == 2:
                 share = float(parts[1])
@@ -107,13 +114,16 @@ class Skew:
                 share = float(parts[1])
                 hours = float(parts[2]) if len(parts) > 2 else 6.0
                 width = int(parts[3]) if len(parts) > 3 else 1024
-                if 0 < share <= 1 and hours > 0 and 1 <= width <= HASH_SPACE:
+                moves = MIN_MOVE_HOURS <= hours < math.inf
+                if 0 < share <= 1 and moves and 1 <= width <= HASH_SPACE:
                     return cls("hotspot", share=share, hours=hours, width=width)
         except ValueError:
             pass
         raise ValueError(
-            f"skew {text!r}: expected 'uniform', 'zipf:S[:KEYS]' (S >= 0), "
-            "'hotkey:SHARE' or 'hotspot:SHARE[:HOURS[:WIDTH]]' (0 < SHARE <= 1)"
+            f"skew {text!r}: expected 'uniform', 'zipf:S[:KEYS]' "
+            f"(0 <= S <= {MAX_ZIPF_EXPONENT:g}, 1 <= KEYS <= {HASH_SPACE}), 'hotkey:SHARE' or "
+            "'hotspot:SHARE[:HOURS[:WIDTH]]' (0 < SHARE <= 1, HOURS >= 1/60, "
+            f"1 <= WIDTH <= {HASH_SPACE})"
         )
 
     def __str__(self) -> str:

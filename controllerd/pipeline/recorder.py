@@ -36,6 +36,7 @@ from controllerd.core.view import Keys
 from controllerd.daemon.clock import SystemClock
 from controllerd.errors import EXIT_UNAVAILABLE, OperatorError
 from controllerd.pipeline.history import DECISIONS, LAYOUTS, LOADS, write_rows
+from controllerd.pipeline.load import MAX_STAMP_MS
 
 log = structlog.get_logger(__name__)
 
@@ -112,7 +113,8 @@ class Recorder:
                 return LOADS, self._load_row(
                     "/".join(parts[:3]), int(parts[4]), value, mod_revision
                 )
-        except (ModelError, ValueError) as exc:
+        except (ModelError, ValueError, RecursionError) as exc:
+            # RecursionError: json.loads of a deeply nested value
             self.rejected += 1
             log.warning("record.rejected", key=key, error=str(exc))
         return None
@@ -135,6 +137,13 @@ class Recorder:
     ) -> dict[str, Any]:
         now = self._now_ms()
         sample = load_sample_from_json(json.loads(value), f"load[{segment_id}]", seen_at_ms=now)
+        for name, stamp in (
+            ("sampledAtMs", sample.sampled_at_ms),
+            ("changedAtMs", sample.changed_at_ms),
+        ):
+            if stamp is not None and not 0 <= stamp <= MAX_STAMP_MS:
+                # Parquet holds int64 and the hour partition needs a calendar date.
+                raise ValueError(f"load[{segment_id}].{name}: {stamp} is not a time in 1970-9999")
         start, end = self._ranges.get((topic, segment_id), (None, None))
         r = sample.rates
         return {

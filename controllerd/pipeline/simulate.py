@@ -61,6 +61,7 @@ from controllerd.core.layout import apply, check, initial_layout, prune
 from controllerd.core.loadreport import ReportRule, WriteReason
 from controllerd.core.model import (
     MAX_HASH_BUCKETS,
+    MAX_POLICY_SECONDS,
     Layout,
     LoadSample,
     Merge,
@@ -108,6 +109,11 @@ class Strategy:
         errs = self.policy.errors("policy") + self.report.errors("load_report")
         if not (self.interval_seconds > 0 and math.isfinite(self.interval_seconds)):
             errs.append(f"interval_seconds: must be > 0 (got {self.interval_seconds!r})")
+        if not self.gc_retention_seconds <= MAX_POLICY_SECONDS:  # also NaN; < 0 keeps forever
+            errs.append(
+                "gc.default_retention_seconds: must be at most "
+                f"{MAX_POLICY_SECONDS:,} (got {self.gc_retention_seconds!r})"
+            )
         if not 1 <= self.initial_segments <= 65536:
             errs.append(f"initial_segments: must be 1..65536 (got {self.initial_segments!r})")
         if not 0 <= self.hash_buckets <= MAX_HASH_BUCKETS:

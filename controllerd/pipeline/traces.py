@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import math
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from controllerd.core.model import Rates
-from controllerd.pipeline.load import RateTuple, Trace
+from controllerd.pipeline.load import MAX_STAMP_MS, RateTuple, Trace
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS
 
 
@@ -45,45 +48,66 @@ def _parse_time(text: str) -> int:
     """``YYYY-MM-DD HH:MM:SS`` (or ISO 8601, or epoch seconds) as UTC epoch milliseconds."""
     text = text.strip()
     try:
-        return round(float(text) * 1000)
+        seconds = float(text)
     except ValueError:
-        pass
-    stamp = dt.datetime.fromisoformat(text)
-    if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=dt.UTC)
-    return round(stamp.timestamp() * 1000)
+        stamp = dt.datetime.fromisoformat(text)
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=dt.UTC)
+        seconds = stamp.timestamp()
+    if not 0 <= seconds * 1000 <= MAX_STAMP_MS:  # also NaN
+        raise ValueError(
+            f"time {text!r} is not in 1970-9999 (epoch seconds expected, not milliseconds)"
+        )
+    return round(seconds * 1000)
 
 
 def read_series_csv(path: str | Path) -> tuple[list[int], list[float]]:
     """``timestamp,value`` rows (a header row is skipped), sorted by time."""
     rows: list[tuple[int, float]] = []
+    lineno = 0
     try:
         with open(path, newline="", encoding="utf-8") as fh:
             for lineno, row in enumerate(csv.reader(fh), start=1):
-                if not row or (lineno == 1 and not _is_time(row[0])):
-                    continue  # a header
+                if not row or (lineno == 1 and _is_header(row[0])):
+                    continue
                 if len(row) < 2:
                     raise TraceError(f"{path}:{lineno}: expected timestamp,value")
                 try:
-                    rows.append((_parse_time(row[0]), float(row[1])))
+                    value = float(row[1])
+                    rows.append((_parse_time(row[0]), value))
                 except ValueError as exc:
                     raise TraceError(f"{path}:{lineno}: {exc}") from None
+                if not (math.isfinite(value) and value >= 0):
+                    raise TraceError(
+                        f"{path}:{lineno}: value {row[1]!r} is not a finite number >= 0"
+                    )
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    except csv.Error as exc:
+        raise TraceError(f"{path}:{lineno + 1}: {exc}") from None
     except OSError as exc:
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if not rows:
         raise TraceError(f"{path}: no rows")
     rows.sort(key=lambda r: r[0])
-    if any(v < 0 for _, v in rows):
-        raise TraceError(f"{path}: negative values")
     return [t for t, _ in rows], [v for _, v in rows]
 
 
-def _is_time(text: str) -> bool:
+def _is_header(cell: str) -> bool:
+    """A first cell that is neither a number nor a date names a column; a number or a
+    date out of range is a bad time, reported as such."""
+    text = cell.strip()
     try:
-        _parse_time(text)
+        float(text)
     except ValueError:
+        pass
+    else:
         return False
-    return True
+    try:
+        dt.datetime.fromisoformat(text)
+    except ValueError:
+        return True
+    return False
 
 
 def series_trace(
@@ -94,6 +118,8 @@ def series_trace(
         cut = t_ms[0] + options.max_hours * 3_600_000
         keep = [i for i, t in enumerate(t_ms) if t <= cut]
         t_ms, values = [t_ms[i] for i in keep], [values[i] for i in keep]
+        if not keep:
+            raise TraceError(f"trace {name}: no rows in the first {options.max_hours:g} hours")
     peak = max(values)
     if peak <= 0:
         raise TraceError(f"trace {name}: all values are zero")
@@ -119,14 +145,32 @@ def import_csv(path: str | Path, options: TraceOptions) -> Trace:
 
 
 def import_history(root: str | Path, options: TraceOptions) -> list[Trace]:
-    """One ``history`` trace per recorded topic (rows without a known range are skipped)."""
+    """One ``history`` trace per recorded topic.
+
+    Rows without a known range are skipped (the recorder had not yet seen a layout);
+    rows that cannot be replayed (a time outside 1970-9999, a range outside the hash
+    space, a rate that is not a finite number >= 0) are skipped and counted on stderr.
+    """
     from controllerd.pipeline.history import LOADS, read_table
 
-    table = read_table(root, LOADS).to_pydict()
+    try:
+        table = read_table(root, LOADS).to_pydict()
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TraceError(f"{root}: cannot read the recorded history: {first}") from None
     by_topic: dict[str, list[int]] = {}
+    bad = 0
     for i, (topic, start) in enumerate(zip(table["topic"], table["range_start"], strict=True)):
-        if start is not None:
+        if start is None:
+            continue
+        if _replayable(table, i):
             by_topic.setdefault(topic, []).append(i)
+        else:
+            bad += 1
+    if bad:
+        print(f"controllerd: {root}: skipped {bad} malformed load rows", file=sys.stderr)
+    if not by_topic:
+        raise TraceError(f"{root}: no load rows with a known hash range")
     traces = []
     for topic, indices in sorted(by_topic.items()):
         rows = sorted(indices, key=lambda i: (table["t_ms"][i], table["mod_revision"][i]))
@@ -153,6 +197,17 @@ def import_history(root: str | Path, options: TraceOptions) -> list[Trace]:
             )
         )
     return traces
+
+
+def _replayable(table: dict[str, list[Any]], i: int) -> bool:
+    start, end, t = table["range_start"][i], table["range_end"][i], table["t_ms"][i]
+    if end is None or t is None or not (0 <= start <= end <= 0xFFFF and 0 <= t <= MAX_STAMP_MS):
+        return False
+    rates = (table[c][i] for c in ("msg_rate_in", "byte_rate_in", "msg_rate_out", "byte_rate_out"))
+    if not all(r is not None and math.isfinite(r) and r >= 0 for r in rates):
+        return False
+    buckets = table["hash_buckets"][i]
+    return not buckets or all(b is not None and math.isfinite(b) and b >= 0 for b in buckets)
 
 
 def _buckets(raw: list[list[float] | None]) -> list[tuple[float, ...] | None] | None:

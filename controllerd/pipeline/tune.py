@@ -157,6 +157,8 @@ def folds_for(scheme: str, traces: Sequence[Trace], groups: Mapping[str, str]) -
     """The folds of ``loto`` or ``group`` over trace names (``time`` splits the traces first)."""
     names = [t.name for t in traces]
     if scheme == "loto":
+        if len(names) < 2:
+            raise ValueError("--cv loto needs at least two traces (one held out, one to tune on)")
         return [Fold(n, tuple(m for m in names if m != n), (n,)) for n in names]
     if scheme == "group":
         kinds = list(dict.fromkeys(groups[n] for n in names))
