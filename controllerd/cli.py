@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from controllerd import config as config_mod
+from controllerd.adapters.secrets import secret_problem
 from controllerd.core import layout as layout_mod
 from controllerd.core.model import (
     LoadSample,
@@ -218,6 +219,8 @@ def load_config(path: str | None, *, exit_code: int) -> config_mod.Config:
             text = _read_text(path, "config")
         except InputError as exc:
             raise ConfigInvalid([str(exc).removeprefix("config ")], exit_code) from None
+        if config_mod.is_empty(text):  # as the daemon refuses it at start and on SIGHUP
+            raise ConfigInvalid([f"{shown}: {config_mod.EMPTY_FILE}"], exit_code)
     try:
         return config_mod.load(text, os.environ)
     except config_mod.ConfigError as exc:
@@ -260,8 +263,8 @@ def config_file_errors(cfg: config_mod.Config) -> list[str]:
             errors.append(f"{setting}: cannot read {path}: {exc.strerror or exc}")
             continue
         readable[setting] = path
-        if kind == "secret" and not data.strip():
-            errors.append(f"{setting}: {path} is empty")
+        if kind == "secret" and (problem := secret_problem(data)) is not None:
+            errors.append(f"{setting}: {path} {problem}")
         elif kind == "ca":
             try:
                 ssl.create_default_context(cafile=path)
@@ -278,6 +281,10 @@ def config_file_errors(cfg: config_mod.Config) -> list[str]:
                     f"{cert}: {readable[cert]} and {key} {readable[key]} do not load as a "
                     f"PEM certificate and its private key: {_ssl_reason(exc)}"
                 )
+    from controllerd.adapters.store import endpoints_problem
+
+    if (problem := endpoints_problem(cfg.etcd.endpoints)) is not None:
+        errors.append(f"etcd.endpoints: {problem}")
     if cfg.etcd.username is not None and cfg.etcd.password_file is None:
         errors.append("etcd.password_file: must be set when etcd.username is")
     if cfg.etcd.password_file is not None and cfg.etcd.username is None:
@@ -335,6 +342,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from controllerd.daemon import runtime
 
     path = _config_path(args)
+    if path == "-":
+        raise OperatorError(
+            "run needs a config file, not standard input: SIGHUP reads it again",
+            exit_code=EXIT_USAGE,
+            setting="--config",
+        )
     checked_config(path)  # refuse an invalid config or a missing file before starting anything
     result: int = anyio.run(runtime.run, path, dict(os.environ))
     return result

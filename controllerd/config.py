@@ -59,6 +59,10 @@ def _show(value: object) -> str:
     return repr(value)
 
 
+ETCD_MAX_LEASE_TTL: Final = 9_000_000_000
+"""etcd refuses a longer lease (``MaxLeaseTTL`` in etcd's lessor): the grant would fail forever."""
+
+
 def _positive(prefix: str, name: str, value: float, *, finite: bool = True) -> list[str]:
     if not value > 0:
         return [f"{prefix}.{name}: must be > 0 (got {_show(value)})"]
@@ -82,8 +86,18 @@ def _one_of(prefix: str, name: str, value: str, allowed: tuple[str, ...]) -> lis
 
 
 def _http_url(prefix: str, name: str, value: str) -> list[str]:
+    """An http(s) URL with a host, a valid port if any, and no blanks."""
+    import urllib.parse
+
     if any(value.startswith(s) and len(value) > len(s) for s in _HTTP_SCHEMES):
-        return []
+        try:
+            parts = urllib.parse.urlsplit(value)
+            port_ok = parts.port is None or parts.port > 0  # .port raises out of 0-65535
+        except ValueError as exc:
+            return [f"{prefix}.{name}: {exc} (got {value!r})"]
+        if parts.hostname and port_ok and not any(c.isspace() for c in value):
+            return []
+        return [f"{prefix}.{name}: must be http(s)://host[:port] (got {value!r})"]
     return [f"{prefix}.{name}: must be an http:// or https:// URL (got {value!r})"]
 
 
@@ -190,6 +204,11 @@ class ElectionSettings:
     def errors(self, prefix: str = "election") -> list[str]:
         # The lease is refreshed at ttl/3; below 2 s that interval is too short.
         errs = _at_least(prefix, "lease_ttl_seconds", self.lease_ttl_seconds, 2)
+        if not errs and self.lease_ttl_seconds > ETCD_MAX_LEASE_TTL:
+            errs.append(
+                f"{prefix}.lease_ttl_seconds: must be at most {ETCD_MAX_LEASE_TTL} "
+                f"(etcd's limit; got {self.lease_ttl_seconds})"
+            )
         errs += _one_of(prefix, "mode", self.mode, ELECTION_MODES)
         if not 1 <= self.shards <= 9999:
             errs.append(f"{prefix}.shards: must be between 1 and 9999 (got {self.shards})")
@@ -451,10 +470,16 @@ def _convert(value: object, tp: Any, default: Any, path: str, errs: list[str]) -
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            if -(2**63) <= value < 2**63:
+                return value
+            errs.append(f"{path}: an integer of {value.bit_length()} bits is out of range")
+            return _INVALID
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            if isinstance(value, float) or abs(value) < 2**1000:
+                return float(value)  # a larger int cannot become a float
+            errs.append(f"{path}: an integer of {value.bit_length()} bits is out of range")
+            return _INVALID
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -621,14 +646,20 @@ def load_file(path: str | os.PathLike[str], env: Mapping[str, str] | None = None
             text = fh.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path}: cannot read config file: {exc}"]) from None
-    if not any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines()):
-        raise ConfigError(
-            [
-                f"{path}: config file is empty (no settings); refusing it rather than "
-                "resetting every setting to its default"
-            ]
-        )
+    if is_empty(text):
+        raise ConfigError([f"{path}: {EMPTY_FILE}"])
     return load(text, env)
+
+
+EMPTY_FILE: Final = (
+    "config file is empty (no settings); refusing it rather than "
+    "resetting every setting to its default"
+)
+
+
+def is_empty(text: str) -> bool:
+    """Nothing but blanks and comments (see :func:`load_file`)."""
+    return not any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines())
 
 
 def _plain(value: Any) -> Any:

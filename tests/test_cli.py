@@ -434,6 +434,48 @@ def test_check_config_names_the_file_once(
     assert line.count(str(path)) == 1 and line.startswith(f"{path}: ") and expect in line
 
 
+HUGE = 10**400
+REFUSED_BY_CHECK_AND_RUN = [
+    (f"[policy.split_thresholds]\nmsg_rate_in = {HUGE}\n", "policy.split_thresholds.msg_rate_in"),
+    (f"[election]\nlease_ttl_seconds = {2**64}\n", "election.lease_ttl_seconds: an integer"),
+    ("[election]\nlease_ttl_seconds = 1000000000000\n", "lease_ttl_seconds: must be at most"),
+    ('[etcd]\nendpoints = ["http://127.0.0.1:99999"]\n', "etcd.endpoints[0]: Port out of range"),
+    ('[etcd]\nendpoints = ["http://[::1"]\n', "etcd.endpoints[0]: Invalid IPv6 URL"),
+    ('[etcd]\nendpoints = ["http://127.0.0.1"]\n', "etcd.endpoints: etcd endpoint must be"),
+    ('[broker]\nadmin_url = "http://x:abc"\n', "broker.admin_url: Port could not be cast"),
+    ('[broker]\ntoken_file = "{token}"\n', "broker.token_file: {token} must hold one line"),
+    ("# nothing but a comment\n", "config file is empty"),
+]
+
+
+@pytest.mark.parametrize(("text", "expect"), REFUSED_BY_CHECK_AND_RUN)
+def test_what_check_config_passes_run_starts_with(tmp_path: Path, text: str, expect: str) -> None:
+    """Each of these passed check-config (or crashed it) and ended `run` as an internal error."""
+    token = tmp_path / "token"
+    token.write_text("tok\nen\n", encoding="utf-8")
+    config = tmp_path / "c.toml"
+    config.write_text(text.replace("{token}", str(token)), encoding="utf-8")
+    check = cli("check-config", str(config))
+    assert check.returncode == 1 and expect.replace("{token}", str(token)) in check.stderr
+    assert "Traceback" not in check.stderr and "internal error" not in check.stderr
+    started = cli("run", "--config", str(config))
+    assert started.returncode == 2, started.stderr
+    assert expect.replace("{token}", str(token)) in started.stderr
+    assert "internal error" not in started.stderr
+
+
+def test_a_huge_integer_in_the_environment_is_refused_naming_the_variable(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("[policy]\nmax_segments = 32\n", encoding="utf-8")
+    proc = cli("check-config", str(config), env={"CONTROLLERD_ETCD__TIMEOUT_SECONDS": str(HUGE)})
+    assert proc.returncode == 1 and "CONTROLLERD_ETCD__TIMEOUT_SECONDS" in one_line(proc)
+
+
+def test_run_refuses_a_config_on_standard_input(tmp_path: Path) -> None:
+    proc = cli("run", "--config", "-", stdin=b"[policy]\nmax_segments = 32\n")
+    assert proc.returncode == 2 and "not standard input" in one_line(proc)
+
+
 BUG = (
     "import sys, controllerd.cli as cli\n"
     "def broken(args):\n"

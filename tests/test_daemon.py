@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import signal
@@ -205,6 +206,34 @@ async def test_sighup_reloads_a_valid_config_and_keeps_the_old_on_an_invalid_one
 
     await wait_until(split, within=10)
     assert len(cluster.broker.topics[TOPIC].active_segments()) == 3
+
+
+async def test_a_bad_token_file_on_sighup_is_refused_and_the_daemon_lives_on(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A token file rewritten as two lines used to end the daemon with an internal error."""
+    leader = await cluster.leader()
+    token = tmp_path / "token"
+    token.write_text("t0ken\n", encoding="utf-8")
+    original = leader.config.read_text(encoding="utf-8")
+    leader.config.write_text(
+        original.replace("[broker]\n", f'[broker]\ntoken_file = "{token}"\n', 1), encoding="utf-8"
+    )
+    leader.signal(signal.SIGHUP)
+
+    async def reloads(outcome: str, count: int) -> bool:
+        return (await leader.metric("controllerd_config_reloads_total", outcome=outcome)) == count
+
+    await wait_until(lambda: reloads("ok", 1))
+    for rejected, (content, problem) in enumerate(
+        ((b"t0k\nen\n", "must hold one line"), (b"", "is empty")), start=1
+    ):
+        token.write_bytes(content)
+        leader.signal(signal.SIGHUP)
+        await wait_until(functools.partial(reloads, "invalid", rejected))
+        events = [e for e in leader.log_events() if e.get("event") == "config.reload.rejected"]
+        assert problem in events[-1]["errors"][0] and "broker.token_file" in events[-1]["errors"][0]
+        assert leader.alive()
 
 
 async def test_an_empty_config_on_sighup_is_refused_and_the_old_one_kept(

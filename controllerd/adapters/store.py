@@ -842,6 +842,15 @@ class LeaseKeepAliveClient:
         self._channel.close()
 
 
+def endpoints_problem(endpoints: Sequence[str]) -> str | None:
+    """Why these endpoint URLs cannot be used (the rules :func:`open_store` applies), or None."""
+    try:
+        _target(endpoints)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _target(endpoints: Sequence[str]) -> tuple[str, bool]:
     """grpc target for the endpoint URLs, and whether they use TLS.
 

@@ -13,14 +13,14 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
 import anyio.abc
 import structlog
 
 from controllerd import config as config_mod
-from controllerd.adapters.store import open_store
+from controllerd.adapters.secrets import read_secret
+from controllerd.adapters.store import endpoints_problem, open_store
 from controllerd.core.loadreport import ReportRule
 from controllerd.core.shards import DEFAULT_SHARDS
 from controllerd.core.view import Keys
@@ -112,25 +112,6 @@ async def _main(options: BrokerOptions) -> None:
                 break
 
 
-def read_token(path: str) -> str:
-    """The bearer token in ``path``: one non-empty line.
-
-    Raises:
-        OperatorError: the file cannot be read or holds no usable token (EXIT_USAGE).
-    """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise OperatorError(f"cannot read {path}: {reason}", setting="--token-file") from None
-    token = text.strip()
-    if not token or any(c in token for c in "\r\n"):
-        raise OperatorError(
-            f"{path} must hold the bearer token on one non-empty line", setting="--token-file"
-        )
-    return token
-
-
 def _operator_error(exc: BaseException) -> OperatorError | None:
     """The OperatorError inside ``exc``, however deeply task groups wrapped it."""
     if isinstance(exc, OperatorError):
@@ -159,7 +140,18 @@ def _options(args: argparse.Namespace) -> BrokerOptions:
         raise OperatorError("--connect-timeout must be > 0", setting="--connect-timeout")
     if not args.report_interval > 0:
         raise OperatorError("--report-interval must be > 0", setting="--report-interval")
-    token = read_token(args.token_file) if args.token_file else None
+    token = read_secret(args.token_file, "--token-file")
+    if (problem := endpoints_problem([args.etcd])) is not None:
+        raise OperatorError(f"--etcd {args.etcd!r}: {problem}", setting="--etcd")
+    kafka_host, _, kafka_port = args.kafka.rpartition(":")
+    if not (kafka_host and kafka_port.isdigit() and 0 < int(kafka_port) <= 65535):
+        raise OperatorError(f"--kafka {args.kafka!r} is not host:port", setting="--kafka")
+    keys = (("--metadata-prefix", args.metadata_prefix), ("--leader-key", args.leader_key))
+    for flag, value in keys:
+        if value and not (value.startswith("/") and not value.endswith("/")):
+            raise OperatorError(
+                f"{flag} {value!r} must start with '/' and not end with '/'", setting=flag
+            )
     return BrokerOptions(
         etcd=args.etcd,
         kafka=args.kafka,
