@@ -21,7 +21,7 @@ from controllerd.pipeline.tune import (
     split_in_time,
     toml_snippet,
 )
-from controllerd.pipeline.variants import Variant, controllerd
+from controllerd.pipeline.variants import Variant, controllerd, default_variants
 
 T0: Final = 1_420_070_400_000
 
@@ -131,6 +131,20 @@ def test_the_snippet_is_valid_policy_toml_with_only_what_differs() -> None:
     assert "(the shipped defaults)" in toml_snippet(Variant("d", base))
 
 
+def test_the_snippet_keeps_every_setting_the_choice_depends_on() -> None:
+    """A static-8 choice used to read as plain `enabled = false`, and a grid over the
+    tick or the retention lost them: the snippet said less than was measured."""
+    base = controllerd()
+    ticked = dataclasses.replace(base, interval_seconds=30.0, gc_retention_seconds=3600.0)
+    loaded = config.load(toml_snippet(Variant("t", ticked)))
+    assert loaded.autoscale.interval_seconds == 30.0
+    assert loaded.gc.default_retention_seconds == 3600.0
+    (static8,) = [v for v in default_variants() if v.name == "static-8"]
+    text = toml_snippet(static8)
+    assert "create it with 8 segment(s)" in text
+    assert config.load(text).policy.enabled is False
+
+
 @pytest.fixture
 def traces(tmp_path: Path) -> Path:
     folder = tmp_path / "traces"
@@ -184,7 +198,7 @@ def test_tune_rejects_a_bad_cross_validation(
 ) -> None:
     grid = tmp_path / "grid.toml"
     grid.write_text('[variants.c]\npreset = "controllerd"\n', encoding="utf-8")
-    for cv in ("time:1.5", "kfold", "group"):
+    for cv in ("time:1.5", "kfold", "group", "loto:", "group:x"):
         code = run_cli(
             ["tune", "--traces", str(traces), "--grid", str(grid), "--cv", cv,
              "--out", str(tmp_path / "o")]

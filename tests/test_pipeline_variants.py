@@ -112,6 +112,11 @@ def test_static_preset_name_works_too() -> None:
         ("[variants.a]\ncolour = 1\n", "variants.a.colour: unknown key"),
         ("[other]\n", "variants: expected at least one"),
         ("[variants.a\n", "invalid TOML"),
+        ('[variants.""]\n', "a name must be printable and not blank"),
+        ('[variants."a\\nb"]\n', "a name must be printable and not blank"),
+        ("[variants.a]\ndescription = 5\n", "variants.a.description: expected a string"),
+        ("[variants.a]\npolicy.merge_window_seconds = 1e308\n", "merge_window_seconds: must be"),
+        ("[variants.a]\ngc.default_retention_seconds = nan\n", "default_retention_seconds"),
     ],
 )
 def test_errors_name_the_key(text: str, message: str) -> None:

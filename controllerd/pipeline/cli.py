@@ -462,7 +462,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from controllerd.pipeline import report, tune
     from controllerd.pipeline.variants import Variant, pip483
 
-    scheme, _, fraction_text = args.cv.partition(":")
+    scheme, colon, fraction_text = args.cv.partition(":")
     fraction = 0.0
     if scheme == "time":
         try:
@@ -471,7 +471,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             fraction = -1.0
         if not 0 < fraction < 1:
             raise OperatorError("--cv time:F needs 0 < F < 1", setting="--cv")
-    elif scheme not in ("loto", "group") or fraction_text:
+    elif scheme not in ("loto", "group") or colon:
         raise OperatorError(f"--cv {args.cv!r}: expected loto, group or time:F", setting="--cv")
     options, traces, histories, groups = _inputs(args, defer_history=False)
     candidates = _variants(args.grid, "--grid")

@@ -43,7 +43,7 @@ from typing import Any, Final
 
 import pandas as pd
 
-from controllerd.config import LoadReportSettings
+from controllerd.config import AutoscaleSettings, GcSettings, LoadReportSettings
 from controllerd.core.model import PolicySettings
 from controllerd.pipeline.load import Trace
 from controllerd.pipeline.report import BASELINE, Targets
@@ -285,10 +285,27 @@ def _toml_value(value: Any) -> str:
 
 
 def toml_snippet(variant: Variant) -> str:
-    """The chosen variant's ``[policy]`` (and ``[load_report]``) settings that differ from
-    the shipped defaults, as TOML to paste into ``controllerd.toml``."""
+    """The chosen variant's settings that differ from the shipped defaults, as TOML to
+    paste into ``controllerd.toml``: ``[policy]``, ``[load_report]``, ``[autoscale]``
+    ``interval_seconds`` and ``[gc]`` ``default_retention_seconds``; what the replay set
+    that is not a controllerd setting (a static topic's segment count, the reporters'
+    histogram) is said in comments, so nothing the choice depends on is lost."""
     strategy = variant.strategy
-    lines = [f"# chosen by controllerd tune: {variant.name}", "[policy]"]
+    lines = [f"# chosen by controllerd tune: {variant.name}"]
+    if not strategy.policy.enabled:
+        lines.append(
+            f"# a static topic: create it with {strategy.initial_segments} segment(s); "
+            "with the policy off, controllerd keeps them"
+        )
+    if strategy.hash_buckets:
+        lines.append(
+            f"# the replay's reporters published hashBuckets of {strategy.hash_buckets} "
+            "slices (a broker setting, not controllerd's)"
+        )
+    if not strategy.track_cold_since:
+        lines.append("# the replay did not track cold-since; the daemon always does")
+    lines.append("[policy]")
+    header = len(lines)
     policy, default = strategy.policy, PolicySettings()
     nested: list[str] = []
     for f in dataclasses.fields(policy):
@@ -304,7 +321,7 @@ def toml_snippet(variant: Variant) -> str:
                 nested += [f"{k} = {_toml_value(v)}" for k, v in changed]
         elif value != base:
             lines.append(f"{f.name} = {_toml_value(value)}")
-    if len(lines) == 2 and not nested:
+    if len(lines) == header and not nested:
         lines.append("# (the shipped defaults)")
     lines += nested
     report, report_default = strategy.report, LoadReportSettings()
@@ -315,6 +332,11 @@ def toml_snippet(variant: Variant) -> str:
     ]
     if changed_report:
         lines += ["", "[load_report]", *changed_report]
+    if strategy.interval_seconds != AutoscaleSettings().interval_seconds:
+        lines += ["", "[autoscale]", f"interval_seconds = {_toml_value(strategy.interval_seconds)}"]
+    if strategy.gc_retention_seconds != GcSettings().default_retention_seconds:
+        retention = _toml_value(strategy.gc_retention_seconds)
+        lines += ["", "[gc]", f"default_retention_seconds = {retention}"]
     return "\n".join(lines) + "\n"
 
 

@@ -148,6 +148,10 @@ def parse_variants(text: str) -> list[Variant]:
         if not isinstance(table, dict):
             errs.append(f"variants.{name}: expected a table")
             continue
+        if not name.strip() or not name.isprintable():
+            # the name is a column value in metrics.csv and a label in every plot
+            errs.append(f"variants.{name!r}: a name must be printable and not blank")
+            continue
         out.extend(_expand(name, table, errs))
     seen: set[str] = set()
     for v in out:
@@ -223,6 +227,8 @@ def _show(value: Any) -> str:
 def _build(where: str, table: Mapping[str, Any], errs: list[str]) -> Strategy | None:
     known = {"preset", "static_segments", "description", "grid", *_TABLES}
     errs.extend(f"{where}.{k}: unknown key" for k in table if k not in known)
+    if not isinstance(table.get("description", ""), str):
+        errs.append(f"{where}.description: expected a string, got {table['description']!r}")
     name = table.get("preset")
     count = table.get("static_segments")
     if count is not None:
