@@ -870,7 +870,7 @@ def test_the_replays_quick_gate_agrees_with_should_write(
 ) -> None:
     rule = ReportRule(DEFAULT.split_thresholds, DEFAULT.merge_thresholds, limit, 0.0, crossing)
     reason = should_write(rule, Rates(*old), Rates(*new), 0, 0)
-    assert Gate(rule).quiet(Rates(*old), *new) == (reason is None)
+    assert Gate(rule).quiet((old[0], old[1], old[2], old[3]), *new) == (reason is None)
 
 
 # --- the fast segment parse agrees with the checked one ------------------------------------

@@ -33,6 +33,7 @@ from typing import Final, Literal, Protocol
 from controllerd.core.model import HASH_MAX, HASH_SPACE, Rates
 
 RateTuple = tuple[float, float, float, float]
+Ranges = tuple[tuple[int, int], ...]
 TraceKind = Literal["series", "history"]
 ZERO: Final[RateTuple] = (0.0, 0.0, 0.0, 0.0)
 MAX_ZIPF_EXPONENT: Final = 20.0
@@ -228,8 +229,12 @@ class Snapshot(Protocol):
         ...
 
     def load(self, start: int, end: int) -> RateTuple:
-        """:meth:`rates` as a plain tuple, equal to it; the replay asks this for every
-        segment at every visited step and builds :class:`Rates` only for a record."""
+        """:meth:`rates` as a plain tuple, equal to it."""
+        ...
+
+    def loads(self, ranges: Ranges) -> list[RateTuple]:
+        """:meth:`load` of each range: what the replay asks at every visited step. The
+        same ``ranges`` object may be passed again while the layout holds."""
         ...
 
     def total(self) -> Rates:
@@ -293,10 +298,23 @@ def _steps(source: LoadSource, step_ms: int) -> Iterator[tuple[int, Snapshot]]:
         t += step_ms
 
 
+class _ShareMemo:
+    """The shares of the last (spread, ranges) pair asked: both change far less often
+    than the totals (a layout holds across many changes of the load)."""
+
+    __slots__ = ("ranges", "shares", "spread")
+
+    def __init__(self) -> None:
+        self.spread: Spread | None = None
+        self.ranges: Ranges | None = None
+        self.shares: list[float] = []
+
+
 @dataclass(slots=True)
 class _SeriesSnapshot:
     totals: RateTuple
     spread: Spread
+    memo: _ShareMemo = field(default_factory=_ShareMemo)
     _cache: dict[tuple[int, int], Rates] = field(default_factory=dict)
 
     def rates(self, start: int, end: int) -> Rates:
@@ -312,6 +330,15 @@ class _SeriesSnapshot:
         s = self.spread.share(start, end)
         t = self.totals
         return (t[0] * s, t[1] * s, t[2] * s, t[3] * s)
+
+    def loads(self, ranges: Ranges) -> list[RateTuple]:
+        memo = self.memo
+        if ranges is not memo.ranges or self.spread is not memo.spread:
+            share = self.spread.share
+            memo.spread, memo.ranges = self.spread, ranges
+            memo.shares = [share(a, b) for a, b in ranges]
+        t0, t1, t2, t3 = self.totals
+        return [(t0 * s, t1 * s, t2 * s, t3 * s) for s in memo.shares]
 
     def total(self) -> Rates:
         return Rates(*self.totals)
@@ -343,6 +370,7 @@ class SeriesLoad:
         self._times: list[int] = []
         self._rows: list[int] = []
         self._spreads: list[Spread] = []
+        self._memo = _ShareMemo()
         row = move = 0  # the last row and move at or before t (both lists are sorted)
         n_rows, n_moves = len(t_ms), len(spread_times)
         for t in sorted({*t_ms, *spread_times}):
@@ -375,7 +403,7 @@ class SeriesLoad:
         return self._times
 
     def snapshot(self, index: int) -> Snapshot:
-        return _SeriesSnapshot(self._totals[self._rows[index]], self._spreads[index])
+        return _SeriesSnapshot(self._totals[self._rows[index]], self._spreads[index], self._memo)
 
     def snapshots(self, step_ms: int) -> Iterator[tuple[int, Snapshot]]:
         return _steps(self, step_ms)
@@ -464,6 +492,10 @@ class _HistorySnapshot:
 
     def load(self, start: int, end: int) -> RateTuple:
         return self.pieces.query(start, end)
+
+    def loads(self, ranges: Ranges) -> list[RateTuple]:
+        query = self.pieces.query
+        return [query(a, b) for a, b in ranges]
 
     def total(self) -> Rates:
         return self.rates(0, HASH_MAX)

@@ -78,7 +78,7 @@ from controllerd.core.policy import (
     next_decision_ms,
     stale_at,
 )
-from controllerd.pipeline.load import LoadSource
+from controllerd.pipeline.load import LoadSource, Ranges, RateTuple
 
 FLIPFLOP_WINDOW_MS: Final = 30 * 60 * 1000
 """A merge undone by a split of the same range (or the reverse) within this is a flip-flop."""
@@ -198,7 +198,9 @@ class _Reporter:
     """One segment's reporter and what etcd holds for it."""
 
     #: the record etcd holds: its rates, sampledAtMs, changedAtMs and hashBuckets
-    written: Rates | None = None
+    written: RateTuple | None = None
+    #: ``written`` as Rates, for what decide reads (kept only when the policy is enabled)
+    rates: Rates | None = None
     written_at: int | None = None
     changed_at: int = 0
     buckets: tuple[float, ...] | None = None
@@ -242,13 +244,13 @@ class Gate:
         self.split = rule.split_thresholds.as_tuple()
         self.merge = rule.merge_thresholds.as_tuple()
 
-    def quiet(self, old: Rates, c0: float, c1: float, c2: float, c3: float) -> bool:
-        """``old`` is the record; ``c0``-``c3`` the new rates, in :class:`Rates` order."""
+    def quiet(self, old: RateTuple, c0: float, c1: float, c2: float, c3: float) -> bool:
+        """``old`` is the record's rates; ``c0``-``c3`` the new ones, in :class:`Rates` order."""
         # Unrolled: this runs for every active segment at every visited step.
         lim, crossing = self.limit, self.crossing
         s0, s1, s2, s3 = self.split
         m0, m1, m2, m3 = self.merge
-        o, c = old.msg_rate_in, c0
+        o, c = old[0], c0
         if o != c and (
             o == 0.0
             or c == 0.0
@@ -256,7 +258,7 @@ class Gate:
             or (crossing and ((o > s0) != (c > s0) or (o < m0) != (c < m0)))
         ):
             return False
-        o, c = old.byte_rate_in, c1
+        o, c = old[1], c1
         if o != c and (
             o == 0.0
             or c == 0.0
@@ -264,7 +266,7 @@ class Gate:
             or (crossing and ((o > s1) != (c > s1) or (o < m1) != (c < m1)))
         ):
             return False
-        o, c = old.msg_rate_out, c2
+        o, c = old[2], c2
         if o != c and (
             o == 0.0
             or c == 0.0
@@ -272,7 +274,7 @@ class Gate:
             or (crossing and ((o > s2) != (c > s2) or (o < m2) != (c < m2)))
         ):
             return False
-        o, c = old.byte_rate_out, c3
+        o, c = old[3], c3
         return not (
             o != c
             and (
@@ -337,7 +339,8 @@ def simulate(
     dt = step_ms / 1000.0
     r0, r1, r2, r3 = reference.as_tuple()
     retention_ms = strategy.gc_retention_seconds * 1000.0
-    track_cold = strategy.track_cold_since
+    enabled = policy.enabled
+    track_cold = strategy.track_cold_since and enabled  # cold-since only feeds decide
     merge_limits = policy.merge_thresholds
     n_buckets = strategy.hash_buckets
     # A heartbeat first comes at the first step >= max_interval after the write.
@@ -379,6 +382,9 @@ def simulate(
     t = source.start_ms
     topic_of: tuple[object, float] = (None, 0.0)  # the last snapshot and its topic load
     dirty = True  # decide's inputs changed since its last NoAction
+    seg_layout: Layout | None = None
+    segs: list[tuple[int, int, int, _Reporter]] = []
+    ranges: Ranges = ()
     wake: int | None = None  # next_decision_ms after that NoAction
 
     while t <= last:
@@ -386,17 +392,22 @@ def simulate(
         if change + 1 < len(times) and times[change + 1] <= t:
             change = bisect.bisect_right(times, t, lo=change) - 1
             snap = source.snapshot(change)
-        active = layout.active_segments()
-        n = len(active)
+        if layout is not seg_layout:  # the segments, their ranges and reporters, per layout
+            seg_layout = layout
+            segs = []
+            for seg in layout.active_segments():
+                rep = reporters.get(seg.segment_id)
+                if rep is None:
+                    rep = reporters[seg.segment_id] = _Reporter()
+                segs.append((seg.segment_id, seg.hash_range.start, seg.hash_range.end, rep))
+            ranges = tuple((a, b) for _, a, b, _ in segs)
+        n = len(segs)
 
         # 1. measure the interval that just ended, on the layout that served it;
         # 2. reporters write material changes; 3. the controller tracks cold-since
         hottest = step_excess = step_msgs = 0.0
         above = 0
-        for seg in active:
-            sid = seg.segment_id
-            rng = seg.hash_range
-            c0, c1, c2, c3 = snap.load(rng.start, rng.end)
+        for (sid, start, end, rep), (c0, c1, c2, c3) in zip(segs, snap.loads(ranges), strict=True):
             score = c0 / r0
             if (x := c1 / r1) > score:
                 score = x
@@ -412,47 +423,47 @@ def simulate(
             if score > hottest:  # noqa: PLR1730 - not max(): this runs per segment per step
                 hottest = score
 
-            rep = reporters.get(sid)
-            if rep is None:
-                rep = reporters[sid] = _Reporter()
-            elif lazy_heartbeats and not step_by_step and rep.written_at is not None:
-                # the heartbeats of the steps skipped since this reporter's last visit
-                due = (t - 1 - rep.written_at) // heartbeat_ms
-                if due > 0:
-                    rep.written_at += due * heartbeat_ms
-                    writes += due
-                    stale_view.add(sid)
             written = rep.written
-            reason: WriteReason | None
-            if written is not None and gate.quiet(written, c0, c1, c2, c3):
-                # no change worth a write (the common case): only a heartbeat can be due
-                reason = (
-                    WriteReason.HEARTBEAT
-                    if heartbeat_ms and rep.written_at is not None and t - rep.written_at >= hb_ms
-                    else None
-                )
-            elif written is None:
-                reason = WriteReason.FIRST
+            if written is None:
+                reason: WriteReason | None = WriteReason.FIRST
             else:
-                # Not quiet: should_write gives a reason other than a heartbeat (tested
-                # against it); which one does not matter here.
-                reason = WriteReason.MATERIAL_CHANGE
-            touched = False
-            if reason is WriteReason.HEARTBEAT:
+                if lazy_heartbeats and not step_by_step and rep.written_at is not None:
+                    # the heartbeats of the steps skipped since this reporter's last visit
+                    due = (t - 1 - rep.written_at) // heartbeat_ms
+                    if due > 0:
+                        rep.written_at += due * heartbeat_ms
+                        writes += due
+                        stale_view.add(sid)
+                if gate.quiet(written, c0, c1, c2, c3):
+                    # no change worth a write (the common case): only a heartbeat can be due
+                    reason = (
+                        WriteReason.HEARTBEAT
+                        if heartbeat_ms
+                        and rep.written_at is not None
+                        and t - rep.written_at >= hb_ms
+                        else None
+                    )
+                else:
+                    # Not quiet: should_write gives a reason other than a heartbeat
+                    # (tested against it); which one does not matter here.
+                    reason = WriteReason.MATERIAL_CHANGE
+            if reason is None:
+                touched = False
+            elif reason is WriteReason.HEARTBEAT:
                 rep.written_at = t
-                touched = True
-            elif reason is not None:
-                current = Rates(c0, c1, c2, c3)
-                rep.written, rep.written_at, rep.changed_at = current, t, t
-                if n_buckets:
-                    rep.buckets = snap.buckets(rng.start, rng.end, n_buckets)
-                if use_history:
-                    history.observe(sid, current, t, policy)
-                touched = True
-            if touched:
                 writes += 1
-            record = rep.written
-            if record is None or rep.written_at is None:
+                touched = True
+            else:
+                rep.written, rep.written_at, rep.changed_at = (c0, c1, c2, c3), t, t
+                writes += 1
+                touched = True
+                if enabled:  # what decide reads; a disabled policy reads nothing
+                    current = rep.rates = Rates(c0, c1, c2, c3)
+                    if n_buckets:
+                        rep.buckets = snap.buckets(start, end, n_buckets)
+                    if use_history:
+                        history.observe(sid, current, t, policy)
+            if not enabled or rep.rates is None or rep.written_at is None:
                 continue
             if track_cold:
                 # The outcome only changes with the record or its staleness: the
@@ -460,7 +471,7 @@ def simulate(
                 stale = stale_at(rep.written_at, policy, t)
                 if step_by_step or touched or stale is not rep.stale:
                     rep.stale = stale
-                    cold = not stale and below(record, merge_limits)
+                    cold = not stale and below(rep.rates, merge_limits)
                     if cold and sid not in cold_since:
                         inherited = inherited_cold_since(layout, sid, sealed_cold)
                         cold_since[sid] = (
@@ -489,9 +500,9 @@ def simulate(
             # what etcd holds for these segments, as the controller reads it
             for sid in stale_view:
                 rep = reporters[sid]
-                if rep.written is not None and rep.written_at is not None:
+                if rep.rates is not None and rep.written_at is not None:
                     view[sid] = LoadSample(
-                        rep.written,
+                        rep.rates,
                         rep.changed_at,
                         rep.written_at,
                         cold_since.get(sid),
