@@ -163,3 +163,30 @@ def test_spark_reads_the_recorded_history(spark: SparkSession, tmp_path: Path) -
         "2015-01-01T00",
         7,
     )
+
+
+def test_both_engines_skip_the_same_malformed_history_rows(
+    spark: SparkSession, variants: list[Variant], tmp_path: Path
+) -> None:
+    """Spark reads a history itself: it must drop what import_history drops, or the two
+    engines would replay different rows."""
+    from controllerd.pipeline.traces import TraceOptions, discover
+
+    rates = dict.fromkeys(RATE_COLUMNS, 100.0)
+    base = {"topic": "a/b/c", "observed_at_ms": T0, "segment_id": 0, "changed_at_ms": T0}
+    rows: list[dict[str, Any]] = []
+    for i in range(240):
+        load = 16_000.0 if (i // 30) % 2 else 200.0
+        row = {**base, **rates, "msg_rate_in": load, "t_ms": T0 + 60_000 * i, "mod_revision": i}
+        rows.append({**row, "range_start": 0, "range_end": 0xFFFF})
+    rows[40]["msg_rate_in"] = math.inf
+    rows[41]["byte_rate_out"] = math.nan
+    rows[42]["range_start"], rows[42]["range_end"] = 0x9000, 0x8000
+    rows[43]["hash_buckets"] = [1.0, -1.0]
+    rows[44]["t_ms"] = -5
+    write_rows(tmp_path, LOADS, rows)
+    options = RunOptions(timeline_points=20)
+    local = run_local(discover([tmp_path], TraceOptions()), variants[:2], options, workers=1)
+    remote = run_spark([], variants[:2], options, spark=spark, histories=[str(tmp_path)])
+    pd.testing.assert_frame_equal(metrics(local), metrics(remote), check_exact=True)
+    assert local["splits"].sum() > 0
