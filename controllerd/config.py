@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import tomllib
 import types
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -58,6 +59,15 @@ def _show(value: object) -> str:
         return str(int(value))
     return repr(value)
 
+
+def is_host_port(text: str) -> bool:
+    """``host:port`` with a port in 1..65535 (a Kafka bootstrap server)."""
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) <= 65535
+
+
+_KAFKA_TOPIC: Final = re.compile(r"[A-Za-z0-9._-]{1,249}")
+"""Kafka's legal topic names (``Topic.validate`` in Kafka's clients)."""
 
 ETCD_MAX_LEASE_TTL: Final = 9_000_000_000
 """etcd refuses a longer lease (``MaxLeaseTTL`` in etcd's lessor): the grant would fail forever."""
@@ -325,6 +335,16 @@ class AuditSettings:
         errs = _at_least(prefix, "buffer_size", self.buffer_size, 1)
         if not self.topic:
             errs.append(f"{prefix}.topic: must not be empty")
+        elif not _KAFKA_TOPIC.fullmatch(self.topic) or self.topic in (".", ".."):
+            errs.append(
+                f"{prefix}.topic: a Kafka topic is 1-249 of a-z A-Z 0-9 . _ - (got {self.topic!r})"
+            )
+        servers = self.kafka_bootstrap.split(",") if self.kafka_bootstrap is not None else []
+        if not all(is_host_port(s.strip()) for s in servers):
+            errs.append(
+                f"{prefix}.kafka_bootstrap: expected host:port[,host:port...] "
+                f"(got {self.kafka_bootstrap!r})"
+            )
         return errs
 
 

@@ -505,3 +505,24 @@ def test_policy_durations_are_bounded_to_ten_years(value: float) -> None:
     (err,) = PolicySettings(merge_window_seconds=value).errors()
     assert err.startswith("policy.merge_window_seconds: must be between 0 and 315,360,000")
     assert PolicySettings(merge_window_seconds=315_360_000).errors() == []
+
+
+@pytest.mark.parametrize(
+    ("audit", "message"),
+    [
+        ({"kafka_bootstrap": "k1:9092,nope"}, "audit.kafka_bootstrap: expected host:port"),
+        ({"kafka_bootstrap": "k1:99999"}, "audit.kafka_bootstrap: expected host:port"),
+        ({"kafka_bootstrap": "k1:9092", "topic": "bad topic"}, "audit.topic: a Kafka topic"),
+        ({"topic": "x" * 250}, "audit.topic: a Kafka topic"),
+    ],
+)
+def test_audit_addresses_and_topic_are_checked_at_start(
+    audit: dict[str, str], message: str
+) -> None:
+    """They used to pass and fail only at run time, as a retry logged forever."""
+    settings = cfg.AuditSettings(kafka_bootstrap=audit.get("kafka_bootstrap"))
+    if "topic" in audit:
+        settings = replace(settings, topic=audit["topic"])
+    (err,) = settings.errors()
+    assert err.startswith(message)
+    assert cfg.AuditSettings(kafka_bootstrap="k1:9092, k2:9093", topic="a.b_c-1").errors() == []

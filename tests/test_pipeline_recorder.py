@@ -206,7 +206,9 @@ async def test_record_prints_only_its_summary_on_stdout_and_logs_as_configured(
     )
     stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, stderr
-    assert stdout.splitlines() == ["1 loads rows, 1 layouts rows, 0 decisions rows"]
+    assert stdout.splitlines() == [
+        "1 loads rows, 1 layouts rows, 0 decisions rows, 0 malformed values skipped"
+    ]
     logged = [json.loads(line) for line in stderr.splitlines()]
     if level == "error":
         assert logged == []

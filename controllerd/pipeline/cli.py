@@ -572,6 +572,6 @@ def cmd_record(args: argparse.Namespace) -> int:
     configure_logging(cfg.logging.level, cfg.logging.format)
     out = _out_dir(args.out)
     with _writing(out):
-        counts = anyio.run(record_from_config, cfg, out, args.duration, args.flush_seconds)
-    print(", ".join(f"{n} {table} rows" for table, n in counts.items()))
+        recorded = anyio.run(record_from_config, cfg, out, args.duration, args.flush_seconds)
+    print(recorded.summary())
     return EXIT_OK

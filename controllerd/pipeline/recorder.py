@@ -279,6 +279,18 @@ def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseEx
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What a ``record`` run wrote (rows per table) and skipped (values that did not parse)."""
+
+    rows: dict[str, int]
+    rejected: int
+
+    def summary(self) -> str:
+        tables = ", ".join(f"{n} {table} rows" for table, n in self.rows.items())
+        return f"{tables}, {self.rejected} malformed values skipped"
+
+
 async def record_from_config(
     cfg: Config,
     out: Path,
@@ -286,8 +298,8 @@ async def record_from_config(
     flush_seconds: float,
     *,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-) -> dict[str, int]:
-    """Record until ``duration`` elapses or SIGINT/SIGTERM; returns rows written per table.
+) -> Recorded:
+    """Record until ``duration`` elapses or SIGINT/SIGTERM; returns what it wrote and skipped.
 
     ``task_status`` is started once etcd's snapshot is recorded (and the audit
     consumer joined); ``duration`` counts from then, so a run never ends
@@ -350,7 +362,7 @@ async def record_from_config(
             ) from None
         raise
     log.info("record.stopped", rows=sink.counts, rejected=recorder.rejected)
-    return sink.counts
+    return Recorded(dict(sink.counts), recorder.rejected)
 
 
 def _first_line(exc: BaseException) -> str:
