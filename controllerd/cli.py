@@ -691,7 +691,11 @@ def _report(exc: BaseException) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; every outcome is an exit status (:mod:`controllerd.errors`)."""
     parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors: argparse's message, exit 2
+    args, extra = parser.parse_known_args(argv)  # usage errors: argparse's message, exit 2
+    if extra:
+        stray = next((a for a in extra if a.endswith(".toml")), None)
+        hint = f" (a config file goes after --config: --config {stray})" if stray else ""
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE

@@ -583,3 +583,9 @@ def test_completion_scripts_know_every_command(shell: str) -> None:
             check=False,
         )
         assert (check.returncode, check.stdout.split()) == (0, ["status"]), check.stderr
+
+
+def test_a_config_file_without_its_flag_gets_a_hint() -> None:
+    proc = cli("run", "controllerd.toml")
+    assert proc.returncode == 2
+    assert "a config file goes after --config: --config controllerd.toml" in proc.stderr

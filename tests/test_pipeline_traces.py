@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controllerd.pipeline.load import Skew
+from controllerd.pipeline.load import Skew, source_for
 from controllerd.pipeline.traces import TraceError, TraceOptions, discover, import_csv
 from tests.support.shared import traces_dir
 
@@ -137,3 +137,15 @@ def test_history_rows_that_cannot_be_replayed_are_skipped_and_counted(
     (empty / LOADS / "README.txt").write_text("not parquet", encoding="utf-8")
     with pytest.raises(TraceError, match="cannot read the recorded history"):
         discover([empty], TraceOptions())
+
+
+def test_rows_that_repeat_a_time_are_counted_and_the_last_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    csv = write(tmp_path / "t.csv", "0,1\n60,2\n60,3\n60,4\n120,5\n")
+    trace = import_csv(csv, TraceOptions())
+    assert "2 rows repeat an earlier row's time" in capsys.readouterr().err
+    assert trace.t_ms == [0, 60_000, 60_000, 60_000, 120_000]  # in file order
+    source = source_for(trace, Skew(), 0)
+    held = source.snapshot(list(source.change_times()).index(60_000)).total_load()
+    assert held == trace.rates[3]  # the value 4, the last row at 60 s

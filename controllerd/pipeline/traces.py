@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import itertools
 import math
 import sys
 from collections.abc import Iterable, Sequence
@@ -89,7 +90,14 @@ def read_series_csv(path: str | Path) -> tuple[list[int], list[float]]:
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if not rows:
         raise TraceError(f"{path}: no rows")
-    rows.sort(key=lambda r: r[0])
+    rows.sort(key=lambda r: r[0])  # stable: rows with one time keep the file's order
+    repeated = sum(a[0] == b[0] for a, b in itertools.pairwise(rows))
+    if repeated:
+        print(
+            f"controllerd: {path}: {repeated} rows repeat an earlier row's time; "
+            "the last of each holds",
+            file=sys.stderr,
+        )
     return [t for t, _ in rows], [v for _, v in rows]
 
 
