@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from controllerd import config as config_mod
-from controllerd.adapters.secrets import secret_problem
+from controllerd.adapters.secrets import config_file_errors
 from controllerd.core import layout as layout_mod
 from controllerd.core.model import (
     LoadSample,
@@ -225,78 +225,6 @@ def load_config(path: str | None, *, exit_code: int) -> config_mod.Config:
         return config_mod.load(text, os.environ)
     except config_mod.ConfigError as exc:
         raise ConfigInvalid([f"{shown}: {error}" for error in exc.errors], exit_code) from None
-
-
-def _referenced_files(cfg: config_mod.Config) -> Iterator[tuple[str, str, str]]:
-    """(setting, path, kind) of every file the config names; kind: secret, ca, cert, key."""
-    for table in ("etcd", "broker"):
-        settings = getattr(cfg, table)
-        secret = "password_file" if table == "etcd" else "token_file"
-        for name, kind in (
-            (secret, "secret"),
-            ("ca_file", "ca"),
-            ("cert_file", "cert"),
-            ("key_file", "key"),
-        ):
-            path = getattr(settings, name)
-            if path is not None:
-                yield f"{table}.{name}", path, kind
-
-
-def config_file_errors(cfg: config_mod.Config) -> list[str]:
-    """Every file the config names that cannot serve its purpose, as ``setting: why``.
-
-    Each file is opened and read (as the daemon will, later, as this same user):
-    secrets must be non-empty, CA bundles must load as PEM certificates, and a
-    client certificate must load with its key. ``run`` and ``status`` call this
-    before they start anything; ``check-config`` reports it with the config's own
-    errors. Reads files only; changes nothing.
-    """
-    import ssl  # here, not at the top: decide must start fast
-
-    errors: list[str] = []
-    readable: dict[str, str] = {}
-    for setting, path, kind in _referenced_files(cfg):
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            errors.append(f"{setting}: cannot read {path}: {exc.strerror or exc}")
-            continue
-        readable[setting] = path
-        if kind == "secret" and (problem := secret_problem(data)) is not None:
-            errors.append(f"{setting}: {path} {problem}")
-        elif kind == "ca":
-            try:
-                ssl.create_default_context(cafile=path)
-            except (ssl.SSLError, ValueError) as exc:
-                errors.append(f"{setting}: {path} is not a PEM CA bundle: {_ssl_reason(exc)}")
-    for table in ("etcd", "broker"):
-        cert, key = f"{table}.cert_file", f"{table}.key_file"
-        if cert in readable and key in readable:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            try:
-                context.load_cert_chain(readable[cert], readable[key])
-            except (ssl.SSLError, ValueError) as exc:
-                errors.append(
-                    f"{cert}: {readable[cert]} and {key} {readable[key]} do not load as a "
-                    f"PEM certificate and its private key: {_ssl_reason(exc)}"
-                )
-    from controllerd.adapters.store import endpoints_problem
-
-    if (problem := endpoints_problem(cfg.etcd.endpoints)) is not None:
-        errors.append(f"etcd.endpoints: {problem}")
-    if cfg.etcd.username is not None and cfg.etcd.password_file is None:
-        errors.append("etcd.password_file: must be set when etcd.username is")
-    if cfg.etcd.password_file is not None and cfg.etcd.username is None:
-        errors.append("etcd.username: must be set when etcd.password_file is")
-    return errors
-
-
-def _ssl_reason(exc: BaseException) -> str:
-    reason = getattr(exc, "reason", None)  # ssl.SSLError's library reason code
-    if isinstance(reason, str) and reason:
-        return reason
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def checked_config(path: str) -> config_mod.Config:

@@ -234,6 +234,21 @@ async def test_a_bad_token_file_on_sighup_is_refused_and_the_daemon_lives_on(
         events = [e for e in leader.log_events() if e.get("event") == "config.reload.rejected"]
         assert problem in events[-1]["errors"][0] and "broker.token_file" in events[-1]["errors"][0]
         assert leader.alive()
+    # A restart-only file is checked too: the next restart must not be the first to say so.
+    token.write_bytes(b"t0ken\n")
+    garbage = tmp_path / "ca.pem"
+    garbage.write_text("not a certificate\n", encoding="utf-8")
+    leader.config.write_text(
+        original.replace(
+            "[broker]\n", f'[broker]\ntoken_file = "{token}"\nca_file = "{garbage}"\n', 1
+        ),
+        encoding="utf-8",
+    )
+    leader.signal(signal.SIGHUP)
+    await wait_until(functools.partial(reloads, "invalid", 3))
+    events = [e for e in leader.log_events() if e.get("event") == "config.reload.rejected"]
+    assert "broker.ca_file" in events[-1]["errors"][0] and "not a PEM CA bundle" in str(events[-1])
+    assert leader.alive()
 
 
 async def test_an_empty_config_on_sighup_is_refused_and_the_old_one_kept(

@@ -48,7 +48,7 @@ from controllerd.adapters.audit import AuditSink, open_audit
 from controllerd.adapters.broker import BrokerClient, as_profile
 from controllerd.adapters.election import Leadership, current_leader, lead, wait_for_turn
 from controllerd.adapters.membership import ShardMembership
-from controllerd.adapters.secrets import read_secret
+from controllerd.adapters.secrets import config_file_errors, read_secret
 from controllerd.adapters.store import Store, StoreError, StoreUnavailable, open_store
 from controllerd.core.view import Keys, MetadataView
 from controllerd.daemon.blockwatch import BlockWatch
@@ -133,6 +133,11 @@ class Daemon:
         sdnotify.reloading()
         try:
             new = config_mod.load_file(self.config_path, self.env)
+            # As at start: a file the config names that cannot serve is a reason to refuse,
+            # even a restart-only one (else the next restart would be the first to say so).
+            problems = config_file_errors(new)
+            if problems:
+                raise config_mod.ConfigError([f"{self.config_path}: {p}" for p in problems])
             token = read_secret(new.broker.token_file, "broker.token_file")
         except (config_mod.ConfigError, OperatorError) as exc:
             errors = exc.errors if isinstance(exc, config_mod.ConfigError) else [exc.line()]
