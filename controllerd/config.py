@@ -502,6 +502,11 @@ def _convert(value: object, tp: Any, default: Any, path: str, errs: list[str]) -
             return _INVALID
     elif tp is str:
         if isinstance(value, str):
+            try:
+                value.encode("utf-8")  # an environment value that was not UTF-8 decodes
+            except UnicodeEncodeError:  # to surrogates, which fail later, far from here
+                errs.append(f"{path}: is not valid UTF-8 text")
+                return _INVALID
             return value
     else:
         raise TypeError(f"unsupported config field type {tp!r} at {path}")

@@ -589,3 +589,14 @@ def test_a_config_file_without_its_flag_gets_a_hint() -> None:
     proc = cli("run", "controllerd.toml")
     assert proc.returncode == 2
     assert "a config file goes after --config: --config controllerd.toml" in proc.stderr
+
+
+def test_an_environment_value_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    """It decoded to surrogates, passed check-config and ended `run` as an internal error."""
+    config = tmp_path / "c.toml"
+    config.write_text("[policy]\nmax_segments = 32\n", encoding="utf-8")
+    env = {"CONTROLLERD_CLUSTER__NAME": os.fsdecode(b"\xff")}
+    proc = cli("check-config", str(config), env=env)
+    assert proc.returncode == 1
+    line = one_line(proc)
+    assert "cluster.name: is not valid UTF-8 text (from CONTROLLERD_CLUSTER__NAME)" in line
