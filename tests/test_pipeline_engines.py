@@ -166,7 +166,10 @@ def test_spark_reads_the_recorded_history(spark: SparkSession, tmp_path: Path) -
 
 
 def test_both_engines_skip_the_same_malformed_history_rows(
-    spark: SparkSession, variants: list[Variant], tmp_path: Path
+    spark: SparkSession,
+    variants: list[Variant],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Spark reads a history itself: it must drop what import_history drops, or the two
     engines would replay different rows."""
@@ -187,6 +190,8 @@ def test_both_engines_skip_the_same_malformed_history_rows(
     write_rows(tmp_path, LOADS, rows)
     options = RunOptions(timeline_points=20)
     local = run_local(discover([tmp_path], TraceOptions()), variants[:2], options, workers=1)
+    capsys.readouterr()
     remote = run_spark([], variants[:2], options, spark=spark, histories=[str(tmp_path)])
+    assert f"{tmp_path}: skipped 5 malformed load rows" in capsys.readouterr().err
     pd.testing.assert_frame_equal(metrics(local), metrics(remote), check_exact=True)
     assert local["splits"].sum() > 0

@@ -408,20 +408,25 @@ def history_rows(spark: SparkSession, root: str, max_hours: float | None = None)
     if "hash_buckets" not in loads.columns:
         loads = loads.withColumn("hash_buckets", F.lit(None).cast("array<double>"))
     loads = loads.where(F.col("range_start").isNotNull())
-    # What import_history skips (and counts) as malformed, so both engines replay the
+    # What import_history skips and counts as malformed, so both engines replay the
     # same rows. Spark orders NaN above +inf, so "< inf" refuses NaN too.
     inf = F.lit(float("inf"))
-    loads = loads.where(
+    ok = (
         F.col("range_start").between(0, 0xFFFF)
         & F.col("range_end").between(F.col("range_start"), F.lit(0xFFFF))
         & F.col("t_ms").between(0, MAX_STAMP_MS)
+        & (
+            F.col("hash_buckets").isNull()
+            | F.forall("hash_buckets", lambda b: b.isNotNull() & (b >= 0) & (b < inf))
+        )
     )
     for column in RATE_COLUMNS:
-        loads = loads.where((F.col(column) >= 0) & (F.col(column) < inf))
-    loads = loads.where(
-        F.col("hash_buckets").isNull()
-        | F.forall("hash_buckets", lambda b: b.isNotNull() & (b >= 0) & (b < inf))
-    )
+        ok = ok & (F.col(column) >= 0) & (F.col(column) < inf)
+    ok = F.coalesce(ok, F.lit(False))  # a null anywhere is malformed too
+    bad = loads.where(~ok).count()  # one scan, as import_history counts on one machine
+    if bad:
+        print(f"controllerd: {root}: skipped {bad} malformed load rows", file=sys.stderr)
+    loads = loads.where(ok)
     if max_hours is not None:
         first = F.min("t_ms").over(Window.partitionBy("topic"))
         loads = loads.where(F.col("t_ms") <= first + F.lit(max_hours * 3_600_000))
