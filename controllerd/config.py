@@ -60,10 +60,21 @@ def _show(value: object) -> str:
     return repr(value)
 
 
-def is_host_port(text: str) -> bool:
-    """``host:port`` with a port in 1..65535 (a Kafka bootstrap server)."""
-    host, _, port = text.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) <= 65535
+def is_bootstrap_server(text: str) -> bool:
+    """A Kafka bootstrap server as aiokafka takes it: ``host``, ``host:port``, ``[v6]`` or
+    ``[v6]:port``, the port in 1..65535 (9092 when left out)."""
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        port = rest.removeprefix(":")
+        if not (host and bracket) or (rest and not rest.startswith(":")):
+            return False
+    else:
+        host, colon, port = text.rpartition(":")
+        if not colon:
+            host, port = text, ""
+    if not host or any(c.isspace() for c in host):
+        return False
+    return not port or (port.isascii() and port.isdigit() and 0 < int(port) <= 65535)
 
 
 _KAFKA_TOPIC: Final = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -340,9 +351,9 @@ class AuditSettings:
                 f"{prefix}.topic: a Kafka topic is 1-249 of a-z A-Z 0-9 . _ - (got {self.topic!r})"
             )
         servers = self.kafka_bootstrap.split(",") if self.kafka_bootstrap is not None else []
-        if not all(is_host_port(s.strip()) for s in servers):
+        if not all(is_bootstrap_server(s.strip()) for s in servers):
             errs.append(
-                f"{prefix}.kafka_bootstrap: expected host:port[,host:port...] "
+                f"{prefix}.kafka_bootstrap: expected host[:port][,host[:port]...] "
                 f"(got {self.kafka_bootstrap!r})"
             )
         return errs

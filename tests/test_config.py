@@ -510,8 +510,9 @@ def test_policy_durations_are_bounded_to_ten_years(value: float) -> None:
 @pytest.mark.parametrize(
     ("audit", "message"),
     [
-        ({"kafka_bootstrap": "k1:9092,nope"}, "audit.kafka_bootstrap: expected host:port"),
-        ({"kafka_bootstrap": "k1:99999"}, "audit.kafka_bootstrap: expected host:port"),
+        ({"kafka_bootstrap": "k1:9092,nope:x"}, "audit.kafka_bootstrap: expected host[:port]"),
+        ({"kafka_bootstrap": "k1:99999"}, "audit.kafka_bootstrap: expected host[:port]"),
+        ({"kafka_bootstrap": "k1:\u00b2"}, "audit.kafka_bootstrap: expected host[:port]"),
         ({"kafka_bootstrap": "k1:9092", "topic": "bad topic"}, "audit.topic: a Kafka topic"),
         ({"topic": "x" * 250}, "audit.topic: a Kafka topic"),
     ],
@@ -525,4 +526,5 @@ def test_audit_addresses_and_topic_are_checked_at_start(
         settings = replace(settings, topic=audit["topic"])
     (err,) = settings.errors()
     assert err.startswith(message)
-    assert cfg.AuditSettings(kafka_bootstrap="k1:9092, k2:9093", topic="a.b_c-1").errors() == []
+    for servers in ("k1:9092, k2:9093", "kafka", "k1,k2", "[::1]", "[::1]:9092"):
+        assert cfg.AuditSettings(kafka_bootstrap=servers, topic="a.b_c-1").errors() == []

@@ -311,3 +311,16 @@ def test_progress_is_a_line_per_group_when_stderr_is_not_a_terminal(
     assert all(
         line.startswith("controllerd backtest: ") and "groups done" in line for line in lines
     )
+
+
+def test_record_names_a_file_the_config_names_not_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing etcd.ca_file was reported as '--out ...: cannot write /nonexistent/ca.pem'."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'[etcd]\nca_file = "{tmp_path / "missing.pem"}"\n', encoding="utf-8")
+    out = tmp_path / "h"
+    assert main(["record", "--config", str(config), "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "etcd.ca_file: cannot read" in line and "--out" not in line
+    assert not out.exists()

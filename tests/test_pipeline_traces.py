@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controllerd.pipeline.load import Skew, source_for
+from controllerd.pipeline.load import Skew
 from controllerd.pipeline.traces import TraceError, TraceOptions, discover, import_csv
 from tests.support.shared import traces_dir
 
@@ -53,6 +53,7 @@ def test_max_hours_cuts_the_series_before_scaling(tmp_path: Path) -> None:
         ("0,1\n1e300,2\n", ":2: time '1e300' is not in 1970-9999"),
         ("0,1\n-1e15,2\n", ":2: time '-1e15' is not in 1970-9999"),
         ("1441115100000,3\n1441115400000,4\n", ":1: time .* milliseconds"),
+        ("1969-12-31T23:59:59,3\n", r":1: time '1969-12-31T23:59:59' is not in 1970-9999$"),
     ],
 )
 def test_bad_csv_is_refused_with_the_file_and_row(tmp_path: Path, text: str, message: str) -> None:
@@ -144,8 +145,21 @@ def test_rows_that_repeat_a_time_are_counted_and_the_last_holds(
 ) -> None:
     csv = write(tmp_path / "t.csv", "0,1\n60,2\n60,3\n60,4\n120,5\n")
     trace = import_csv(csv, TraceOptions())
-    assert "2 rows repeat an earlier row's time" in capsys.readouterr().err
-    assert trace.t_ms == [0, 60_000, 60_000, 60_000, 120_000]  # in file order
-    source = source_for(trace, Skew(), 0)
-    held = source.snapshot(list(source.change_times()).index(60_000)).total_load()
-    assert held == trace.rates[3]  # the value 4, the last row at 60 s
+    assert "2 rows repeat a later row's time" in capsys.readouterr().err
+    assert trace.t_ms == [0, 60_000, 120_000]
+    assert trace.rates[1][0] == 4 / 5 * trace.rates[2][0]  # the last row at 60 s, 4
+    # the shadowed rows set no peak: 10 at 60 s, then 1, scales on 1's peak (4 thresholds)
+    spiky = import_csv(write(tmp_path / "s.csv", "0,1\n60,10\n60,1\n120,1\n"), TraceOptions())
+    assert max(r[0] for r in spiky.rates) == 4 * 10_000.0
+
+
+def test_a_history_of_the_wrong_types_is_refused_naming_the_directory(tmp_path: Path) -> None:
+    """pyarrow's cast errors are not all ValueErrors: one ended as an internal error."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    part = tmp_path / "loads" / "topic=a%2Fb%2Fc" / "hour=2015-01-01T00"
+    part.mkdir(parents=True)
+    pq.write_table(pa.table({"hash_buckets": pa.array(["not a list"])}), part / "p.parquet")
+    with pytest.raises(TraceError, match="cannot read the recorded history"):
+        discover([tmp_path], TraceOptions())

@@ -116,7 +116,8 @@ def test_malformed_addresses_and_keys_are_one_line_naming_the_flag() -> None:
     for flag, value, expect in (
         ("--etcd", "http://127.0.0.1:99999", "Port out of range"),
         ("--etcd", "127.0.0.1:2379", "must be http(s)://host:port"),
-        ("--kafka", "127.0.0.1:99999", "is not host:port"),
+        ("--kafka", "127.0.0.1:99999", "is not host[:port]"),
+        ("--kafka", "k:\u00b2", "is not host[:port]"),
         ("--metadata-prefix", "pulsar/", "must start with '/'"),
         ("--leader-key", "noslash", "must start with '/'"),
     ):

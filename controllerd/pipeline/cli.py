@@ -566,12 +566,15 @@ def cmd_record(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise OperatorError(f"{path}: {exc.strerror or exc}", setting="--config") from None
     _require(args)
+    from controllerd.adapters.secrets import config_file_errors
     from controllerd.daemon.logs import configure_logging
     from controllerd.pipeline.recorder import record_from_config
 
     configure_logging(cfg.logging.level, cfg.logging.format)
+    problems = config_file_errors(cfg)
+    if problems:
+        raise OperatorError(f"{path}: {problems[0]}", setting="--config")
     out = _out_dir(args.out)
-    with _writing(out):
-        recorded = anyio.run(record_from_config, cfg, out, args.duration, args.flush_seconds)
+    recorded = anyio.run(record_from_config, cfg, out, args.duration, args.flush_seconds)
     print(recorded.summary())
     return EXIT_OK

@@ -38,6 +38,8 @@ TraceKind = Literal["series", "history"]
 ZERO: Final[RateTuple] = (0.0, 0.0, 0.0, 0.0)
 MAX_ZIPF_EXPONENT: Final = 20.0
 """Beyond this the hottest key carries all the load to within a float's precision anyway."""
+MAX_ZIPF_KEYS: Final = 1_000_000
+"""Keys are placed at random hash values (several may share one); this bounds the memory."""
 MIN_MOVE_HOURS: Final = 1 / 60
 """A hot spot moves at most once a minute (the shortest evaluation interval worth replaying)."""
 MAX_STAMP_MS: Final = 253_402_300_799_999
@@ -105,7 +107,7 @@ class Skew:
             if parts[0] == "zipf" and len(parts) in (2, 3):
                 exponent = float(parts[1])
                 keys = int(parts[2]) if len(parts) == 3 else 1000
-                if 0 <= exponent <= MAX_ZIPF_EXPONENT and 1 <= keys <= HASH_SPACE:
+                if 0 <= exponent <= MAX_ZIPF_EXPONENT and 1 <= keys <= MAX_ZIPF_KEYS:
                     return cls("zipf", exponent, keys)
             if parts[0] == "hotkey" and len(parts) == 2:
                 share = float(parts[1])
@@ -122,7 +124,7 @@ class Skew:
             pass
         raise ValueError(
             f"skew {text!r}: expected 'uniform', 'zipf:S[:KEYS]' "
-            f"(0 <= S <= {MAX_ZIPF_EXPONENT:g}, 1 <= KEYS <= {HASH_SPACE}), 'hotkey:SHARE' or "
+            f"(0 <= S <= {MAX_ZIPF_EXPONENT:g}, 1 <= KEYS <= {MAX_ZIPF_KEYS:,}), 'hotkey:SHARE' or "
             "'hotspot:SHARE[:HOURS[:WIDTH]]' (0 < SHARE <= 1, HOURS >= 1/60, "
             f"1 <= WIDTH <= {HASH_SPACE})"
         )

@@ -56,9 +56,9 @@ def _parse_time(text: str) -> int:
             stamp = stamp.replace(tzinfo=dt.UTC)
         seconds = stamp.timestamp()
     if not 0 <= seconds * 1000 <= MAX_STAMP_MS:  # also NaN
-        raise ValueError(
-            f"time {text!r} is not in 1970-9999 (epoch seconds expected, not milliseconds)"
-        )
+        late = seconds * 1000 > MAX_STAMP_MS
+        hint = " (epoch seconds expected, not milliseconds)" if late else ""
+        raise ValueError(f"time {text!r} is not in 1970-9999{hint}")
     return round(seconds * 1000)
 
 
@@ -91,13 +91,16 @@ def read_series_csv(path: str | Path) -> tuple[list[int], list[float]]:
     if not rows:
         raise TraceError(f"{path}: no rows")
     rows.sort(key=lambda r: r[0])  # stable: rows with one time keep the file's order
-    repeated = sum(a[0] == b[0] for a, b in itertools.pairwise(rows))
-    if repeated:
+    # The replay holds the last row of a time; the rows it shadows must not set the
+    # scaling peak either, so they go here.
+    kept = [a for a, b in itertools.pairwise(rows) if a[0] != b[0]] + rows[-1:]
+    if len(kept) < len(rows):
         print(
-            f"controllerd: {path}: {repeated} rows repeat an earlier row's time; "
-            "the last of each holds",
+            f"controllerd: {path}: {len(rows) - len(kept)} rows repeat a later row's time; "
+            "the last of each is kept",
             file=sys.stderr,
         )
+        rows = kept
     return [t for t, _ in rows], [v for _, v in rows]
 
 
@@ -159,11 +162,13 @@ def import_history(root: str | Path, options: TraceOptions) -> list[Trace]:
     rows that cannot be replayed (a time outside 1970-9999, a range outside the hash
     space, a rate that is not a finite number >= 0) are skipped and counted on stderr.
     """
+    import pyarrow as pa
+
     from controllerd.pipeline.history import LOADS, read_table
 
     try:
         table = read_table(root, LOADS).to_pydict()
-    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+    except (OSError, ValueError, pa.ArrowException) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise TraceError(f"{root}: cannot read the recorded history: {first}") from None
     by_topic: dict[str, list[int]] = {}

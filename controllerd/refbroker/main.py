@@ -143,8 +143,8 @@ def _options(args: argparse.Namespace) -> BrokerOptions:
     token = read_secret(args.token_file, "--token-file")
     if (problem := endpoints_problem([args.etcd])) is not None:
         raise OperatorError(f"--etcd {args.etcd!r}: {problem}", setting="--etcd")
-    if not config_mod.is_host_port(args.kafka):
-        raise OperatorError(f"--kafka {args.kafka!r} is not host:port", setting="--kafka")
+    if not config_mod.is_bootstrap_server(args.kafka):
+        raise OperatorError(f"--kafka {args.kafka!r} is not host[:port]", setting="--kafka")
     keys = (("--metadata-prefix", args.metadata_prefix), ("--leader-key", args.leader_key))
     for flag, value in keys:
         if value and not (value.startswith("/") and not value.endswith("/")):
