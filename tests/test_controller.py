@@ -112,6 +112,43 @@ async def test_a_tick_inside_the_settle_window_waits_for_it(
         assert active_count(h) == 4
 
 
+async def test_an_evaluation_queued_before_the_settle_window_waits_for_it(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A CI run split 2 ways inside the window: an evaluation queued before the first
+    registration ran during it. Held in flight here, so the race is not left to timing."""
+    GatedController.gate = anyio.Event()
+    async with open_harness(
+        etcd_server.endpoint,
+        etcd_prefix,
+        settle=2.0,
+        interval=3600.0,
+        controller_class=GatedController,
+    ) as h:
+        controller = h.controller
+        assert isinstance(controller, GatedController)
+        await h.add_topic(segments=1)
+        await eventually(lambda: getattr(controller, "calls", 0) == 1)  # held in flight
+        await h.add_subscription("s")
+
+        def registered(n: int) -> bool:
+            state = h.controller.view.topics.get(TOPIC)
+            return state is not None and len(state.consumers.get("s", ())) == n
+
+        for i in range(2):
+            await h.register("s", f"c{i}")
+        await eventually(lambda: registered(2))
+        GatedController.gate.set()  # the evaluation begun before the window now runs
+        await eventually(lambda: not h.controller.status()["in_flight"])
+        assert h.requests("/split/") == 0
+        for i in range(2, 4):
+            await h.register("s", f"c{i}")
+        await eventually(lambda: registered(4))
+        await h.clock.advance(2.0)  # the window closes
+        await eventually(lambda: h.requests("/split/") == 1)
+        assert active_count(h) == 4
+
+
 async def test_hot_load_record_splits_k_ways_at_once(
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:

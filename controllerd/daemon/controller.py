@@ -835,6 +835,10 @@ class Controller:
         leadership = self.leadership_for(topic)
         if leadership is None:
             return None
+        if topic in self._settling:
+            # Queued or in flight before the window began: its settle timer triggers it
+            # when the window closes (else it would split for the consumers seen so far).
+            return None
         if topic in self._first_pass:
             self._first_pass.discard(topic)
             if self.first_pass_remaining == 0:
