@@ -83,6 +83,18 @@ async def test_a_consumer_burst_settles_into_one_split(
         assert active_count(h) == 4  # one decision, a segment per consumer
 
 
+async def register_consumers(h: Harness, numbers: range) -> None:
+    """Register consumers c<i> of subscription s, and wait until the view has them all."""
+    for i in numbers:
+        await h.register("s", f"c{i}")
+
+    def registered() -> bool:
+        state = h.controller.view.topics.get(TOPIC)
+        return state is not None and len(state.consumers.get("s", ())) == numbers.stop
+
+    await eventually(registered)
+
+
 async def test_a_tick_inside_the_settle_window_waits_for_it(
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
@@ -91,22 +103,14 @@ async def test_a_tick_inside_the_settle_window_waits_for_it(
     async with open_harness(etcd_server.endpoint, etcd_prefix, settle=2.0, interval=1.0) as h:
         await h.add_topic(segments=1)
         await h.add_subscription("s")
-
-        def registered(n: int) -> bool:
-            state = h.controller.view.topics.get(TOPIC)
-            return state is not None and len(state.consumers.get("s", ())) == n
-
-        for i in range(2):
-            await h.register("s", f"c{i}")
-        await eventually(lambda: h.view_layout() is not None and registered(2))
+        await register_consumers(h, range(2))
+        await eventually(lambda: h.view_layout() is not None)
         ticks = h.controller._ticks
         await h.clock.advance(1.0)  # a tick, inside the window
         await eventually(lambda: h.controller._ticks == ticks + 1)
         await eventually(lambda: not h.controller.status()["queued"])
         assert h.requests("/split/") == 0
-        for i in range(2, 4):
-            await h.register("s", f"c{i}")
-        await eventually(lambda: registered(4))
+        await register_consumers(h, range(2, 4))
         await h.clock.advance(1.0)  # the window closes
         await eventually(lambda: h.requests("/split/") == 1)
         assert active_count(h) == 4
@@ -130,20 +134,11 @@ async def test_an_evaluation_queued_before_the_settle_window_waits_for_it(
         await h.add_topic(segments=1)
         await eventually(lambda: getattr(controller, "calls", 0) == 1)  # held in flight
         await h.add_subscription("s")
-
-        def registered(n: int) -> bool:
-            state = h.controller.view.topics.get(TOPIC)
-            return state is not None and len(state.consumers.get("s", ())) == n
-
-        for i in range(2):
-            await h.register("s", f"c{i}")
-        await eventually(lambda: registered(2))
+        await register_consumers(h, range(2))
         GatedController.gate.set()  # the evaluation begun before the window now runs
         await eventually(lambda: not h.controller.status()["in_flight"])
         assert h.requests("/split/") == 0
-        for i in range(2, 4):
-            await h.register("s", f"c{i}")
-        await eventually(lambda: registered(4))
+        await register_consumers(h, range(2, 4))
         await h.clock.advance(2.0)  # the window closes
         await eventually(lambda: h.requests("/split/") == 1)
         assert active_count(h) == 4
