@@ -230,13 +230,10 @@ class Snapshot(Protocol):
         """The four rates of hash range ``[start, end]``."""
         ...
 
-    def load(self, start: int, end: int) -> RateTuple:
-        """:meth:`rates` as a plain tuple, equal to it."""
-        ...
-
     def loads(self, ranges: Ranges) -> list[RateTuple]:
-        """:meth:`load` of each range: what the replay asks at every visited step. The
-        same ``ranges`` object may be passed again while the layout holds."""
+        """:meth:`rates` of each range as plain tuples, equal to them: what the replay asks
+        at every visited step. The same ``ranges`` object may be passed again while the
+        layout holds."""
         ...
 
     def total(self) -> Rates:
@@ -323,15 +320,9 @@ class _SeriesSnapshot:
         key = (start, end)
         cached = self._cache.get(key)
         if cached is None:
-            s = self.spread.share(start, end)
-            t = self.totals
-            cached = self._cache[key] = Rates(t[0] * s, t[1] * s, t[2] * s, t[3] * s)
+            share = self.spread.share(start, end)
+            cached = self._cache[key] = Rates(*_scaled(self.totals, share))
         return cached
-
-    def load(self, start: int, end: int) -> RateTuple:
-        s = self.spread.share(start, end)
-        t = self.totals
-        return (t[0] * s, t[1] * s, t[2] * s, t[3] * s)
 
     def loads(self, ranges: Ranges) -> list[RateTuple]:
         memo = self.memo
@@ -339,7 +330,7 @@ class _SeriesSnapshot:
             share = self.spread.share
             memo.spread, memo.ranges = self.spread, ranges
             memo.shares = [share(a, b) for a, b in ranges]
-        t0, t1, t2, t3 = self.totals
+        t0, t1, t2, t3 = self.totals  # _scaled, inline: this runs at every visited step
         return [(t0 * s, t1 * s, t2 * s, t3 * s) for s in memo.shares]
 
     def total(self) -> Rates:
@@ -491,9 +482,6 @@ class _HistorySnapshot:
         if cached is None:
             cached = self._cache[key] = Rates(*self.pieces.query(start, end))
         return cached
-
-    def load(self, start: int, end: int) -> RateTuple:
-        return self.pieces.query(start, end)
 
     def loads(self, ranges: Ranges) -> list[RateTuple]:
         query = self.pieces.query
