@@ -494,7 +494,7 @@ def simulate(
         operated = False
         if (
             stale_view
-            and policy.enabled  # a disabled policy reads no records
+            and enabled  # a disabled policy reads no records
             and (step_by_step or dirty or (wake is not None and t >= wake))
         ):
             # what etcd holds for these segments, as the controller reads it
