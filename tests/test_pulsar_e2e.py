@@ -139,7 +139,8 @@ async def test_consumers_and_traffic_split_cold_pairs_merge_beside_pulsars_gc(
         await model.register_consumer(T1, "s", f"c{i}")
 
     async def four() -> bool:
-        return await _active(model, T1) == 4
+        # The model commits a split's layout before it records the operation: wait for both.
+        return await _active(model, T1) == 4 and len(pulsar.ops("split")) >= 3
 
     await wait_until(four, within=20)
     assert len(pulsar.ops("split")) == 3  # 4 segments from 1 by binary splits only
