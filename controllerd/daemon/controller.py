@@ -108,6 +108,7 @@ from controllerd.core.view import (
 )
 from controllerd.daemon.clock import Clock
 from controllerd.daemon.metrics import Metrics
+from controllerd.daemon.pacer import Pacer
 
 log = structlog.get_logger("controllerd.daemon.controller")
 
@@ -118,6 +119,11 @@ LAYOUT_CATCH_UP_SECONDS: Final = 5.0
 MAX_CONCURRENT_EVALUATIONS: Final = 16
 #: Topics handled between two yields to the event loop in loops over all topics.
 SLICE: Final = 500
+#: The share of the event loop background work may take (the tick's pass, a term's
+#: first pass, the GC round), and its longest run between two waits; the rest stays
+#: with the follower and urgent evaluations (see :mod:`controllerd.daemon.pacer`).
+BACKGROUND_SHARE: Final = 0.5
+BACKGROUND_BURST: Final = 0.005
 #: How long a change seen while another replica led is remembered, so a new leader
 #: evaluates it before the rest of its topics (the leaderless gap is at most a TTL).
 MISSED_WINDOW_SECONDS: Final = 60.0
@@ -176,6 +182,7 @@ class Controller:
         history: collections.deque[DecisionRecord] | None = None,
         shards: int | None = None,
         on_operator_error: Callable[[str, str], None] | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self._config = config
         self._store = store
@@ -204,9 +211,17 @@ class Controller:
         self._quiet: dict[TopicName, _QuietMark] = {}
         self._ticks = 0
         self._scan = anyio.Event()
-        # the work queue
+        # The work queue. Urgent topics go straight to the workers; background ones
+        # (ticks, first passes) wait in _background until the feeder, paced, moves them
+        # to _released. A topic is queued while in _queued; entries of other deques
+        # for it are stale and skipped.
         self._urgent: collections.deque[TopicName] = collections.deque()
         self._background: collections.deque[TopicName] = collections.deque()
+        self._released: collections.deque[TopicName] = collections.deque()
+        self._background_items = anyio.Semaphore(0)
+        self._pacer = pacer or Pacer(
+            BACKGROUND_SHARE, BACKGROUND_BURST, on_wait=metrics.background_paced.inc
+        )
         self._queued: set[TopicName] = set()
         self._in_flight: dict[TopicName, anyio.CancelScope] = {}
         self._again: set[TopicName] = set()
@@ -339,6 +354,7 @@ class Controller:
             self._forget_missed()
             self._scanning += 1
             try:
+                mark = self._pacer.now()
                 for i, topic in enumerate(reversed(list(self._missed))):  # most recent first
                     if self.scope_of(topic) in granted and self.leads(topic):
                         self._first_evaluation(topic, urgent=True)
@@ -348,7 +364,7 @@ class Controller:
                     if self.leads(topic):
                         self._first_evaluation(topic, urgent=False)
                     if i % SLICE == SLICE - 1:
-                        await anyio.lowlevel.checkpoint()
+                        mark = await self._pacer.pause(mark)
             finally:
                 self._scanning -= 1
 
@@ -361,6 +377,7 @@ class Controller:
             async with anyio.create_task_group() as tg:
                 for i in range(MAX_CONCURRENT_EVALUATIONS):
                     tg.start_soon(self._worker, name=f"evaluator-{i}")
+                tg.start_soon(self._feeder, name="background-feeder")
                 tg.start_soon(self._timer_loop, name="timers")
                 tg.start_soon(self._ticker, name="ticker")
                 tg.start_soon(self._gc_ticker, name="gc")
@@ -589,23 +606,42 @@ class Controller:
                 self._items.release()
             return
         self._queued.add(topic)
-        (self._urgent if urgent else self._background).append(topic)
-        self._items.release()
+        if urgent:
+            self._urgent.append(topic)
+            self._items.release()
+        else:
+            self._background.append(topic)
+            self._background_items.release()
 
-    def _next(self) -> TopicName | None:
-        while self._urgent or self._background:
-            topic = self._urgent.popleft() if self._urgent else self._background.popleft()
+    async def _feeder(self) -> None:
+        """Hands background topics to the workers, one per turn of the pacer."""
+        while True:
+            await self._background_items.acquire()
+            await self._pacer.turn()
+            while self._background:
+                topic = self._background.popleft()
+                if topic in self._queued:
+                    self._released.append(topic)
+                    self._items.release()
+                    break
+
+    def _next(self) -> tuple[TopicName, bool] | None:
+        """The next topic to evaluate, urgent ones first, and whether it is paced."""
+        while self._urgent or self._released:
+            paced = not self._urgent
+            topic = self._released.popleft() if paced else self._urgent.popleft()
             if topic in self._queued:
                 self._queued.discard(topic)
-                return topic
+                return topic, paced
         return None
 
     async def _worker(self) -> None:
         while True:
             await self._items.acquire()
-            topic = self._next()
-            if topic is None:
+            item = self._next()
+            if item is None:
                 continue
+            topic, paced = item
             cancel = anyio.CancelScope()
             self._in_flight[topic] = cancel
             try:
@@ -613,12 +649,16 @@ class Controller:
                     while True:
                         self._again.discard(topic)
                         started = anyio.current_time()
+                        cost_from = self._pacer.now()
                         try:
                             await self.evaluate(topic)
                         except Exception:
                             # One topic's bug must not stop the others; the next trigger retries.
                             log.exception("evaluation.failed", topic=str(topic))
                         self._metrics.evaluation_duration.observe(anyio.current_time() - started)
+                        if paced:  # at most one burst: waiting for the broker held no loop
+                            cost = self._pacer.now() - cost_from
+                            self._pacer.charge(min(cost, self._pacer.burst))
                         if topic not in self._again:
                             break
             finally:
@@ -677,6 +717,7 @@ class Controller:
             full = self._ticks % FULL_PASS_EVERY == 0
             self._ticks += 1
             led = pulsar_owned = quiet = 0
+            mark = self._pacer.now()
             for i, topic in enumerate(self._topics_in(self._scopes)):
                 if self.leads(topic):
                     led += 1
@@ -689,7 +730,7 @@ class Controller:
                     else:
                         self.trigger(topic, urgent=False)
                 if i % SLICE == SLICE - 1:
-                    await anyio.lowlevel.checkpoint()
+                    mark = await self._pacer.pause(mark)
             self._metrics.topics_owned.set(led)
             self._metrics.pulsar_autoscaler_topics.set(pulsar_owned)
             log.debug("tick", led=led, evaluated=led - quiet, quiet=quiet, full_pass=full)
@@ -1241,9 +1282,10 @@ class Controller:
                 await self._finish_delete(
                     leadership, marker.topic, marker.descriptor, marker.segment_id
                 )
+        mark = self._pacer.now()
         for i, topic in enumerate(self._topics_in(self._scopes)):
             if i % SLICE == SLICE - 1:
-                await anyio.lowlevel.checkpoint()
+                mark = await self._pacer.pause(mark)
             leadership = self.leadership_for(topic)
             state = self.view.topics.get(topic)
             if leadership is None or state is None or state.layout is None:

@@ -165,6 +165,12 @@ class Metrics:
             buckets=EVALUATION_BUCKETS,
             registry=r,
         )
+        self.background_paced: Final = Counter(
+            "controllerd_background_paced_seconds_total",
+            "Seconds background work (the tick's pass, a term's first pass, the GC round) "
+            "waited so that watch events and urgent evaluations keep their share of the loop.",
+            registry=r,
+        )
         self.admin_request_duration: Final = Histogram(
             "controllerd_admin_request_duration_seconds",
             "Broker admin REST request latency, by op and outcome.",
