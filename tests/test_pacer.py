@@ -26,9 +26,15 @@ class Time:
         await anyio.lowlevel.checkpoint()
 
 
-def paced(t: Time, share: float = 0.5, burst: float = 0.005) -> tuple[Pacer, list[float]]:
+def paced(
+    t: Time, share: float = 0.5, burst: float = 0.005, busy: list[bool] | None = None
+) -> tuple[Pacer, list[float]]:
     waits: list[float] = []
-    return Pacer(share, burst, now=t.read, sleep=t.sleep, on_wait=waits.append), waits
+    contended = (lambda: busy[0]) if busy is not None else (lambda: True)
+    pacer = Pacer(
+        share, burst, now=t.read, sleep=t.sleep, on_wait=waits.append, contended=contended
+    )
+    return pacer, waits
 
 
 async def test_work_within_the_burst_takes_its_turn_at_once() -> None:
@@ -63,6 +69,23 @@ async def test_pause_charges_the_work_since_the_mark() -> None:
     # 5 ms of work, 1.25 ms accrued + 1 ms of burst: 2.75 ms short, 11 ms at 0.25
     assert t.slept == pytest.approx([0.011])
     assert mark == pytest.approx(0.016)
+
+
+async def test_on_an_idle_loop_the_debt_is_forgiven_and_nothing_waits() -> None:
+    t = Time()
+    busy = [False]
+    pacer, waits = paced(t, share=0.5, burst=0.005, busy=busy)
+    for _ in range(10):  # 50 ms of work back to back: nobody else wants the loop
+        t.now += 0.005
+        pacer.charge(0.005)
+        await pacer.turn()
+    assert waits == []
+    busy[0] = True  # watch events arrive: from now on the share holds
+    for _ in range(4):
+        t.now += 0.005
+        pacer.charge(0.005)
+        await pacer.turn()
+    assert waits == pytest.approx([0.005] * 4)  # the forgiven debt left no burst: 50 %
 
 
 @settings(max_examples=200, deadline=None)

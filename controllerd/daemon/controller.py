@@ -124,6 +124,9 @@ SLICE: Final = 500
 #: with the follower and urgent evaluations (see :mod:`controllerd.daemon.pacer`).
 BACKGROUND_SHARE: Final = 0.5
 BACKGROUND_BURST: Final = 0.005
+#: The loop counts as contended (background work is paced) while the follower applied
+#: a value this recently, or urgent evaluations are queued.
+CONTENDED_SECONDS: Final = 0.05
 #: How long a change seen while another replica led is remembered, so a new leader
 #: evaluates it before the rest of its topics (the leaderless gap is at most a TTL).
 MISSED_WINDOW_SECONDS: Final = 60.0
@@ -219,8 +222,12 @@ class Controller:
         self._background: collections.deque[TopicName] = collections.deque()
         self._released: collections.deque[TopicName] = collections.deque()
         self._background_items = anyio.Semaphore(0)
+        self._last_applied = -math.inf  # when (the pacer's time) the follower last applied
         self._pacer = pacer or Pacer(
-            BACKGROUND_SHARE, BACKGROUND_BURST, on_wait=metrics.background_paced.inc
+            BACKGROUND_SHARE,
+            BACKGROUND_BURST,
+            on_wait=metrics.background_paced.inc,
+            contended=self._contended,
         )
         self._queued: set[TopicName] = set()
         self._in_flight: dict[TopicName, anyio.CancelScope] = {}
@@ -391,6 +398,7 @@ class Controller:
 
     def note(self, outcome: Outcome) -> None:
         """One applied etcd value (from the follower): count rejections, trigger work."""
+        self._last_applied = self._pacer.now()
         if outcome is None:
             return
         if isinstance(outcome, Rejected):
@@ -587,6 +595,11 @@ class Controller:
             del self._awaiting[topic]
 
     # -- the work queue -------------------------------------------------------------------
+
+    def _contended(self) -> bool:
+        """Whether anything but background work wants the loop (see :class:`Pacer`)."""
+        recent = self._pacer.now() - self._last_applied < CONTENDED_SECONDS
+        return recent or bool(self._urgent)
 
     def trigger(self, topic: TopicName, *, urgent: bool = True) -> None:
         """Ask for an evaluation of ``topic``; coalesces while one is queued or in flight.

@@ -6,7 +6,8 @@ for its ~3 s the follower fell seconds behind a 5,000 writes/s load storm, and
 a consumer registration waited behind it: reaction p99 0.7-1.5 s, against
 60 ms outside the tick. Background work (the tick's pass, a term's first pass,
 the GC round) now spends from a token bucket and waits when it is empty, so
-the follower and urgent evaluations keep the rest of the loop.
+the follower and urgent evaluations keep the rest of the loop. It waits only
+while something else wants the loop; on an idle loop a pass runs at full speed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ class Pacer:
     CPU this machine took, and a :class:`ManualClock` that only moves when a test
     says so would park the pass for ever).
 
-    While nothing else wants the loop the waits are time lost: a pass takes at
+    Work-conserving: a turn waits only while ``contended()`` says something else
+    wants the loop (the controller: watch events applied in the last few
+    milliseconds, or urgent evaluations queued); otherwise the debt is forgiven
+    and a pass on an idle loop runs at full speed. Contended, a pass takes at
     most ``1 / share`` times as long as unpaced.
     """
 
@@ -41,6 +45,7 @@ class Pacer:
         now: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
         on_wait: Callable[[float], None] = lambda seconds: None,
+        contended: Callable[[], bool] = lambda: True,
     ) -> None:
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share must be in (0, 1], not {share!r}")
@@ -53,6 +58,7 @@ class Pacer:
         self._credit = burst
         self._last = now()
         self._on_wait = on_wait
+        self._contended = contended
 
     def _refill(self, spent: float = 0.0) -> None:
         at = self.now()
@@ -66,8 +72,11 @@ class Pacer:
         self._refill(max(0.0, seconds))
 
     async def turn(self) -> None:
-        """Yield to the loop; wait first while the credit is negative."""
+        """Yield to the loop; wait first while the credit is negative and the loop
+        is contended."""
         self._refill()
+        if self._credit < 0.0 and not self._contended():
+            self._credit = 0.0
         if self._credit >= 0.0:
             await anyio.lowlevel.checkpoint()
             return
