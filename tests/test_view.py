@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import orjson
@@ -302,3 +303,25 @@ def test_pulsar_and_reporter_records_take_the_fast_read() -> None:
     view.apply_put(KEYS.load(T, 0), orjson.dumps(stamped), 11, NOW)
     assert view.topics[T].loads[0] == load_sample_from_json(stamped)
     assert view.topics[T].loads._extra is None
+
+
+def test_with_cold_since_is_replace_on_every_field() -> None:
+    """The evaluation's fast path must keep every field, including any added later."""
+    full = LoadSample(
+        Rates(1.0, 2.0, 3.0, 4.0),
+        changed_at_ms=5,
+        sampled_at_ms=6,
+        cold_since_ms=7,
+        hash_buckets=(0.25, 0.75),
+        peak_rates=Rates(8.0, 9.0, 10.0, 11.0),
+        flipflops=12,
+        last_flipflop_ms=13,
+    )
+    defaults = LoadSample(Rates(1.0, 2.0, 3.0, 4.0), changed_at_ms=5)
+    for fields_set, sample in (("all", full), ("defaults", defaults)):
+        assert sample.with_cold_since(99) == dataclasses.replace(sample, cold_since_ms=99), (
+            fields_set
+        )
+    assert all(getattr(full, f.name) != f.default for f in dataclasses.fields(LoadSample)), (
+        "give every field a non-default value above"
+    )

@@ -893,7 +893,8 @@ class Controller:
             # Queued or in flight before the window began: its settle timer triggers it
             # when the window closes (else it would split for the consumers seen so far).
             return None
-        if topic in self._first_pass:
+        first = topic in self._first_pass
+        if first:
             self._first_pass.discard(topic)
             if self.first_pass_remaining == 0:
                 _freeze_survivors()
@@ -910,10 +911,10 @@ class Controller:
         policy = self.resolved_policy(state)
         samples = state.loads.samples()
         if isinstance(policy, PolicySettings):
-            self._track_cold(state, samples, policy, now)
+            self._track_cold(state, samples, policy, now, rediscovered=first)
         held = state.loads.colds()
         loads = {
-            sid: dataclasses.replace(sample, cold_since_ms=since)
+            sid: sample.with_cold_since(since)
             if (since := state.cold_since.get(sid, held.get(sid))) is not None
             else sample
             for sid, sample in samples.items()
@@ -1005,9 +1006,16 @@ class Controller:
         samples: Mapping[int, LoadSample],
         policy: PolicySettings,
         now: int,
+        *,
+        rediscovered: bool = False,
     ) -> None:
         """Keep each active segment's cold-since (DESIGN §8.1), persisting it only when
         a new leader could not derive it.
+
+        ``rediscovered``: the term's first evaluation of the topic, where a cold
+        segment was most likely cold before this leader began; it is logged at debug
+        (at info, a new leader of 100,000 idle topics wrote 1.6 million lines, and
+        spent ~1.6 ms of each evaluation on them).
 
         A new leader derives cold-since from the record's ``changedAtMs`` (or a
         merge child's parents) when the record carries its own time stamps.
@@ -1032,7 +1040,9 @@ class Controller:
                 if since is None:
                     inherited = inherited_cold_since(layout, sid, _ColdOf(state))
                     since = inherited if inherited is not None else min(sample.changed_at_ms, now)
-                    log.info("segment.cold", topic=str(state.name), segment=sid, since_ms=since)
+                    (log.debug if rediscovered else log.info)(
+                        "segment.cold", topic=str(state.name), segment=sid, since_ms=since
+                    )
                 if since != held:
                     table.set_cold(sid, since)
                 # Derivable by a successor only from a record that carries its own time
