@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import anyio.lowlevel
@@ -65,20 +65,39 @@ class Sample:
     create_revision: int
 
 
-class EtcdObserver:
-    """Another etcd client, in a thread of its own: it reads the leader key and the lease
-    TTL every ``period`` seconds, whatever the event loop under test is doing."""
+class EtcdThread:
+    """Another etcd client on one key, run by :meth:`_run` in a thread of its own,
+    whatever the event loop under test is doing; a context manager."""
 
-    def __init__(self, endpoint: str, key: str, lease_id: int, period: float = 0.2) -> None:
+    def __init__(self, endpoint: str, key: str) -> None:
         self._channel = grpc.insecure_channel(endpoint.removeprefix("http://"))
         self._kv = KVStub(self._channel)
-        self._lease = LeaseStub(self._channel)
         self._key = key.encode()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._channel.close()
+
+
+class EtcdObserver(EtcdThread):
+    """Reads the leader key and the lease TTL every ``period`` seconds."""
+
+    def __init__(self, endpoint: str, key: str, lease_id: int, period: float = 0.2) -> None:
+        super().__init__(endpoint, key)
+        self._lease = LeaseStub(self._channel)
         self._lease_id = lease_id
         self._period = period
-        self._stop = threading.Event()
         self.samples: list[Sample] = []
-        self._thread = threading.Thread(target=self._run, name="etcd-observer", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):
@@ -91,15 +110,6 @@ class EtcdObserver:
                 continue  # etcd frozen on purpose: no sample
             revision = kvs[0].create_revision if kvs else 0
             self.samples.append(Sample(time.monotonic(), int(ttl), int(revision)))
-
-    def __enter__(self) -> EtcdObserver:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._channel.close()
 
     def during(self, start: float, end: float) -> list[Sample]:
         return [s for s in self.samples if start <= s.at <= end]
@@ -260,31 +270,16 @@ class CostlyController(Controller):
         return await super().evaluate(topic)
 
 
-class LoadWriter:
-    """Puts load records of one topic through its own etcd client, in a thread of its
-    own, as reporters do: watch traffic the loop under test must make room for."""
+class LoadWriter(EtcdThread):
+    """Puts a load record over and over, as reporters do: watch traffic the loop
+    under test must make room for."""
 
-    def __init__(self, endpoint: str, key: str) -> None:
-        self._channel = grpc.insecure_channel(endpoint.removeprefix("http://"))
-        self._kv = KVStub(self._channel)
-        self._key = key.encode()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="load-writer", daemon=True)
-        self.puts = 0
+    puts = 0
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self._kv.Put(PutRequest(key=self._key, value=balanced_record(random.Random(1))))
             self.puts += 1
-
-    def __enter__(self) -> LoadWriter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._channel.close()
 
 
 async def full_pass_turns(h: Harness, start: Callable[[], Awaitable[None]], n: int) -> int:

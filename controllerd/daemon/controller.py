@@ -185,7 +185,6 @@ class Controller:
         history: collections.deque[DecisionRecord] | None = None,
         shards: int | None = None,
         on_operator_error: Callable[[str, str], None] | None = None,
-        pacer: Pacer | None = None,
     ) -> None:
         self._config = config
         self._store = store
@@ -223,7 +222,7 @@ class Controller:
         self._released: collections.deque[TopicName] = collections.deque()
         self._background_items = anyio.Semaphore(0)
         self._last_applied = -math.inf  # when (the pacer's time) the follower last applied
-        self._pacer = pacer or Pacer(
+        self._pacer = Pacer(
             BACKGROUND_SHARE,
             BACKGROUND_BURST,
             on_wait=metrics.background_paced.inc,
