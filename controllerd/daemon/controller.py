@@ -660,17 +660,16 @@ class Controller:
                 with cancel:
                     while True:
                         self._again.discard(topic)
-                        started = anyio.current_time()
-                        cost_from = self._pacer.now()
+                        started = self._pacer.now()
                         try:
                             await self.evaluate(topic)
                         except Exception:
                             # One topic's bug must not stop the others; the next trigger retries.
                             log.exception("evaluation.failed", topic=str(topic))
-                        self._metrics.evaluation_duration.observe(anyio.current_time() - started)
+                        took = self._pacer.now() - started
+                        self._metrics.evaluation_duration.observe(took)
                         if paced:  # at most one burst: waiting for the broker held no loop
-                            cost = self._pacer.now() - cost_from
-                            self._pacer.charge(min(cost, self._pacer.burst))
+                            self._pacer.charge(min(took, self._pacer.burst))
                         if topic not in self._again:
                             break
             finally:
