@@ -3,6 +3,7 @@
 #   ./dev.sh run    set everything up, then run the embedded default (controllerd demo):
 #                   etcd, Kafka (tansu), the reference broker and two controllerd replicas
 #   ./dev.sh test   set everything up, then lint, type-check and run the whole test suite
+#                   (pytest-xdist, two workers; CONTROLLERD_TEST_WORKERS overrides)
 # Set-up is idempotent: system packages are installed only when missing, and the
 # virtualenv (.venv) is refreshed only when pyproject.toml changed.
 set -euo pipefail
@@ -56,7 +57,10 @@ case "$cmd" in
         .venv/bin/ruff check controllerd tests bench
         .venv/bin/mypy
         .venv/bin/lint-imports
-        .venv/bin/python -m pytest "$@"
+        # Two workers by default: most tests wait on etcd, brokers and subprocesses, so
+        # two run well on 2 cores. A test file stays on one worker (its module fixtures
+        # start once). CONTROLLERD_TEST_WORKERS=0 runs everything in this process.
+        .venv/bin/python -m pytest -n "${CONTROLLERD_TEST_WORKERS:-2}" --dist loadfile "$@"
         ;;
     run)
         shift
