@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -13,6 +16,7 @@ from controllerd.pipeline.engines import (
     RATE_COLUMNS,
     RunOptions,
     frame_trace,
+    package_zip,
     run_local,
     run_spark,
     trace_frame,
@@ -139,6 +143,30 @@ def test_the_process_pool_gives_the_same_results(variants: list[Variant]) -> Non
     inline = run_local(few, variants[:2], options, workers=1)
     pooled = run_local(few, variants[:2], options, workers=2)
     pd.testing.assert_frame_equal(metrics(inline), metrics(pooled), check_exact=True)
+
+
+def test_the_shipped_zip_holds_the_package_and_is_removed_when_the_driver_exits() -> None:
+    """Spark needs the zip until its context stops; the process's exit removes it."""
+    code = (
+        "import zipfile\n"
+        "from controllerd.pipeline.engines import package_zip\n"
+        "z = package_zip()\n"
+        "print(z)\n"
+        "print(len([n for n in zipfile.ZipFile(z).namelist() if n.endswith('core/policy.py')]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    path, policies = done.stdout.split()
+    assert policies == "1"
+    assert Path(path).name == "controllerd.zip"
+    assert not Path(path).parent.exists()
+
+
+def test_a_zip_in_a_given_directory_is_left_there(tmp_path: Path) -> None:
+    archive = package_zip(str(tmp_path))
+    assert archive.parent == tmp_path
+    assert "controllerd/pipeline/engines.py" in zipfile.ZipFile(archive).namelist()
 
 
 def test_spark_reads_the_recorded_history(spark: SparkSession, tmp_path: Path) -> None:

@@ -22,10 +22,12 @@ prints only its own progress.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -353,9 +355,17 @@ _SHIPPED: dict[str, str] = {}  # Spark application id -> where its executors imp
 
 
 def package_zip(directory: str | None = None) -> Path:
-    """A zip of the ``controllerd`` package this driver imported (its ``.py`` files)."""
+    """A zip of the ``controllerd`` package this driver imported (its ``.py`` files).
+
+    Without ``directory`` it goes to a temporary directory removed when this
+    process exits: Spark serves an added file from its path until the context
+    stops, so it cannot go sooner, and every backtest used to leave one behind.
+    """
     root = Path(controllerd.__file__).resolve().parent
-    out = Path(directory or tempfile.mkdtemp(prefix="controllerd-ship-")) / "controllerd.zip"
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix="controllerd-ship-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    out = Path(directory) / "controllerd.zip"
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
         for path in sorted(root.rglob("*.py")):
             zf.write(path, Path("controllerd") / path.relative_to(root))
