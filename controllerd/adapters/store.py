@@ -390,8 +390,6 @@ class Store:
         self._clock = clock
         self._auth_lock = anyio.Lock()
         self._token_generation = 0
-        #: Watch responses etcd split because they outgrew its request limit.
-        self.watch_fragments = 0
 
     # -- plumbing -------------------------------------------------------------
 
@@ -730,22 +728,11 @@ class Store:
         while True:
             generation = self._token_generation
             call = self._watch_stub.Watch(metadata=self._metadata)
-            # Events of the last revision of a fragment: the next fragment may hold
-            # more of that revision, so they wait for it (a new stream starts clean:
-            # it resumes from the last revision handed over, re-sending these).
-            carried: list[Any] = []
             try:
                 await call.write(
                     WatchRequest(
                         create_request=WatchCreateRequest(
-                            key=key,
-                            range_end=range_end,
-                            start_revision=next_revision,
-                            # A catching-up response holds up to 1000 revisions (128k
-                            # events of 128-put transactions, 30 MB) and decoding it
-                            # held the loop for up to 125 ms; fragments are at most
-                            # etcd's request limit (1.5 MiB by default).
-                            fragment=True,
+                            key=key, range_end=range_end, start_revision=next_revision
                         )
                     )
                 )
@@ -755,26 +742,16 @@ class Store:
                         raise WatchCompacted(int(resp.compact_revision))
                     if resp.canceled:
                         raise StoreError(f"watch cancelled by etcd: {resp.cancel_reason}")
-                    events: Sequence[Any] = resp.events
-                    if carried:
-                        events = [*carried, *events]
-                        carried = []
-                    stop = len(events)
-                    if resp.fragment:
-                        self.watch_fragments += 1
-                        while stop > 0 and (
-                            events[stop - 1].kv.mod_revision == events[-1].kv.mod_revision
-                        ):
-                            stop -= 1
-                        carried = list(events[stop:])
+                    events = resp.events
                     start = 0
-                    while start < stop:
-                        # Converting a whole response at once held the loop: it goes
-                        # in batches that end only between revisions, so resuming from
-                        # the last one's revision + 1 never skips part of a transaction.
-                        end = min(start + WATCH_BATCH, stop)
+                    while start < len(events):
+                        # A catching-up response holds up to 1000 revisions (128k events
+                        # of 128-put transactions); converting it at once held the loop.
+                        # Batches end only between revisions, so resuming from the last
+                        # one's revision + 1 never skips part of a transaction.
+                        end = min(start + WATCH_BATCH, len(events))
                         while (
-                            end < stop
+                            end < len(events)
                             and events[end].kv.mod_revision == events[end - 1].kv.mod_revision
                         ):
                             end += 1

@@ -133,10 +133,9 @@ class EtcdServer:
     client requests on :attr:`endpoint`.
     """
 
-    def __init__(self, data_dir: Path, pki: Pki | None = None, flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, data_dir: Path, pki: Pki | None = None) -> None:
         self.data_dir = data_dir
         self.pki = pki
-        self.flags = flags
         self.client_port = _free_port()
         self.peer_port = _free_port()
         scheme = "https" if pki else "http"
@@ -186,7 +185,6 @@ class EtcdServer:
                 "--log-outputs",
                 "stderr",
                 *self._tls_flags(),
-                *self.flags,
             ],
             stdout=self._log,
             stderr=self._log,
