@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from etcd3aio import Etcd3Client, PermissionType
+from etcd3aio._protobuf import WatchResponse
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controllerd.adapters import store as store_module
 from controllerd.adapters.store import (
@@ -24,6 +28,7 @@ from controllerd.adapters.store import (
     StoreUnavailable,
     WatchCompacted,
     WatchEvent,
+    _skip_fields,
     open_store,
 )
 from tests.support.etcd import (  # noqa: F401 - fixtures
@@ -411,6 +416,15 @@ async def test_a_large_watch_response_comes_in_batches_that_end_between_revision
     """A catch-up response of many transactions is handed over in pieces (the loop
     stays responsive), never splitting one transaction's events."""
     monkeypatch.setattr(store_module, "WATCH_BATCH", 100)
+    decoded: list[int] = []  # bytes per decode: a slice of the response, never all of it
+
+    class Recording:
+        @staticmethod
+        def FromString(raw: bytes) -> Any:
+            decoded.append(len(raw))
+            return WatchResponse.FromString(raw)
+
+    monkeypatch.setattr(store_module, "WatchResponse", Recording)
     _, start = await store.get_prefix(etcd_prefix)
     expected = [f"{etcd_prefix}{t:02d}/{i:02d}" for t in range(20) for i in range(30)]
     for t in range(20):  # 20 transactions of 30 puts: 600 events, 20 revisions
@@ -429,3 +443,72 @@ async def test_a_large_watch_response_comes_in_batches_that_end_between_revision
     ]
     assert len(batches) > 1
     assert all(len(batch) % 30 == 0 and len(batch) <= 120 for batch in batches)
+    # 600 events of ~100 bytes came in one or a few responses, decoded 100 events at a time
+    assert decoded and max(decoded) * 5 < sum(decoded)
+
+
+def _response(events: list[tuple[int, bytes, bytes, int]], **head: Any) -> WatchResponse:
+    resp = WatchResponse(**head)
+    for kind, key, value, revision in events:
+        event = resp.events.add()
+        event.type = kind
+        event.kv.key, event.kv.value, event.kv.mod_revision = key, value, revision
+    return resp
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(
+            st.sampled_from([0, 1]),
+            st.binary(min_size=1, max_size=40),
+            st.binary(max_size=300),
+            st.integers(min_value=1, max_value=2**62),
+        ),
+        max_size=40,
+    ),
+    watch_id=st.integers(min_value=0, max_value=2**62),
+    compact=st.integers(min_value=0, max_value=2**62),
+    reason=st.text(max_size=20),
+    revision=st.integers(min_value=0, max_value=2**62),
+    step=st.integers(min_value=1, max_value=7),
+)
+def test_slices_of_whole_fields_decode_to_the_response(
+    events: list[tuple[int, bytes, bytes, int]],
+    watch_id: int,
+    compact: int,
+    reason: str,
+    revision: int,
+    step: int,
+) -> None:
+    """What the watch decodes a slice at a time equals protobuf's decoding of the whole."""
+    whole = _response(
+        events,
+        watch_id=watch_id,
+        compact_revision=compact,
+        cancel_reason=reason,
+        canceled=bool(reason),
+        header={"revision": revision, "cluster_id": 7},
+    )
+    raw = whole.SerializeToString()
+    pos = _skip_fields(raw, 0, len(raw), until_events=True)
+    head = WatchResponse.FromString(raw[:pos])
+    assert not head.events
+    head.events.extend(whole.events)
+    assert head == whole
+    got: list[Any] = []
+    while pos < len(raw):
+        end = _skip_fields(raw, pos, step)
+        part = WatchResponse.FromString(raw[pos:end]).events
+        assert 0 < len(part) <= step
+        got.extend(part)
+        pos = end
+    assert got == list(whole.events)
+
+
+def test_a_response_cut_inside_a_field_is_refused() -> None:
+    raw = _response([(0, b"k", b"v" * 200, 5)], watch_id=3).SerializeToString()
+    with pytest.raises(IndexError):
+        _skip_fields(raw[:-10], 0, len(raw))
+    with pytest.raises(ValueError, match="wire type 7"):
+        _skip_fields(bytes([0x0F, 0]), 0, 1)

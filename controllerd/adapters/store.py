@@ -32,7 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from ipaddress import IPv6Address, ip_address
-from typing import Any, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -52,11 +52,12 @@ from etcd3aio._protobuf import (  # generated messages; not re-exported publicly
     LeaseStub,
     WatchCreateRequest,
     WatchRequest,
-    WatchStub,
+    WatchResponse,
 )
 from etcd3aio.auth import AuthService
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
+from google.protobuf.message import DecodeError
 
 from controllerd.adapters import backoff
 
@@ -86,7 +87,7 @@ SCAN_KEYS = 64 * PAGE_SIZE
 #: default is too small for a page of layouts or a watch batch of 1000 revisions.
 MAX_RECEIVE_BYTES = 256 * 1024 * 1024
 #: Watch events converted and handed over at a time (more only to finish a revision).
-WATCH_BATCH = 1000
+WATCH_BATCH = 500
 #: grpc's own reconnect backoff grows to 120 s by default, so after a long etcd
 #: outage the channel would keep failing long after etcd is back (measured
 #: 1.8 s after a 40 s outage). Capping it at 1 s keeps recovery near 1 s.
@@ -260,6 +261,59 @@ def _event(pb: Any) -> WatchEvent:
     )
 
 
+#: The tag byte of ``WatchResponse.events`` (field 11, length-delimited).
+_EVENTS_TAG: Final = (11 << 3) | 2
+
+
+def _skip_fields(raw: bytes, pos: int, count: int, *, until_events: bool = False) -> int:
+    """The offset after ``count`` protobuf fields of ``raw`` from ``pos`` (or the end).
+
+    With ``until_events`` it stops before the first ``events`` field instead.
+    Only field boundaries are read (tag, then a varint, a length or a fixed
+    width), so a response can be decoded a slice at a time: a run of whole
+    fields of a message is itself a message of that type.
+
+    Raises:
+        IndexError: ``raw`` ends inside a field.
+        ValueError: a wire type protobuf does not define.
+    """
+    end = len(raw)
+    while count > 0 and pos < end:
+        tag = raw[pos]
+        if until_events and tag == _EVENTS_TAG:
+            return pos
+        pos += 1
+        if tag & 0x80:  # a field number >= 16: the tag goes on
+            while raw[pos] & 0x80:
+                pos += 1
+            pos += 1
+        wire = tag & 7
+        if wire == 2:
+            length = shift = 0
+            while True:
+                byte = raw[pos]
+                pos += 1
+                length |= (byte & 0x7F) << shift
+                if byte < 0x80:
+                    break
+                shift += 7
+            pos += length
+        elif wire == 0:
+            while raw[pos] & 0x80:
+                pos += 1
+            pos += 1
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"wire type {wire}")
+        count -= 1
+    if pos > end:
+        raise IndexError("field past the end")
+    return pos
+
+
 def _stray_cancellation() -> bool:
     """Whether a CancelledError in this task was *not* a cancellation of the task.
 
@@ -382,7 +436,12 @@ class Store:
         self._kv = KVService(channel, max_attempts=1)
         self._lease = LeaseService(channel, max_attempts=1)
         self._auth = AuthService(channel, max_attempts=1)
-        self._watch_stub = WatchStub(channel)
+        # Responses come as bytes and are decoded a slice at a time (see _watch).
+        self._watch_call = channel.stream_stream(
+            "/etcdserverpb.Watch/Watch",
+            request_serializer=WatchRequest.SerializeToString,
+            response_deserializer=None,
+        )
         self._metadata: tuple[tuple[str, str], ...] | None = None
         self._credentials = credentials
         self._timeout = timeout
@@ -727,7 +786,7 @@ class Store:
         failures = 0
         while True:
             generation = self._token_generation
-            call = self._watch_stub.Watch(metadata=self._metadata)
+            call = self._watch_call(metadata=self._metadata)
             try:
                 await call.write(
                     WatchRequest(
@@ -736,29 +795,42 @@ class Store:
                         )
                     )
                 )
-                while (resp := await call.read()) is not grpc.aio.EOF:
+                while (raw := await call.read()) is not grpc.aio.EOF:
                     failures = 0
-                    if resp.compact_revision > 0:
-                        raise WatchCompacted(int(resp.compact_revision))
-                    if resp.canceled:
-                        raise StoreError(f"watch cancelled by etcd: {resp.cancel_reason}")
-                    events = resp.events
-                    start = 0
-                    while start < len(events):
-                        # A catching-up response holds up to 1000 revisions (128k events
-                        # of 128-put transactions); converting it at once held the loop.
-                        # Batches end only between revisions, so resuming from the last
-                        # one's revision + 1 never skips part of a transaction.
-                        end = min(start + WATCH_BATCH, len(events))
-                        while (
-                            end < len(events)
-                            and events[end].kv.mod_revision == events[end - 1].kv.mod_revision
-                        ):
-                            end += 1
-                        batch = [_event(pb) for pb in events[start:end]]
-                        next_revision = batch[-1].mod_revision + 1
-                        start = end
-                        yield batch
+                    # A catching-up response holds up to 1000 revisions (128k events of
+                    # 128-put transactions, 30 MB): decoding it in one piece held the
+                    # loop for up to 125 ms, and converting it at once for longer. Its
+                    # other fields come first (etcd writes fields in number order); the
+                    # events are decoded and handed over WATCH_BATCH at a time, in
+                    # batches that end only between revisions, so resuming from the
+                    # last one's revision + 1 never skips part of a transaction.
+                    try:
+                        pos = _skip_fields(raw, 0, len(raw), until_events=True)
+                        head = WatchResponse.FromString(raw[:pos])
+                    except (IndexError, ValueError, DecodeError) as exc:
+                        raise StoreError(f"malformed watch response: {exc}") from exc
+                    if head.compact_revision > 0:
+                        raise WatchCompacted(int(head.compact_revision))
+                    if head.canceled:
+                        raise StoreError(f"watch cancelled by etcd: {head.cancel_reason}")
+                    carried: list[WatchEvent] = []
+                    while pos < len(raw):
+                        try:
+                            end = _skip_fields(raw, pos, WATCH_BATCH)
+                            part = WatchResponse.FromString(raw[pos:end]).events
+                        except (IndexError, ValueError, DecodeError) as exc:
+                            raise StoreError(f"malformed watch response: {exc}") from exc
+                        pos = end
+                        batch = carried + [_event(pb) for pb in part]
+                        carried = []
+                        if pos < len(raw):  # the last revision may go on in the next slice
+                            cut = len(batch)
+                            while cut > 0 and batch[cut - 1].mod_revision == batch[-1].mod_revision:
+                                cut -= 1
+                            batch, carried = batch[:cut], batch[cut:]
+                        if batch:
+                            next_revision = batch[-1].mod_revision + 1
+                            yield batch
                 error = "stream ended"
             except asyncio.CancelledError:
                 if not _stray_cancellation():

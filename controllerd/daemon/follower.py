@@ -47,7 +47,7 @@ from controllerd.daemon.controller import Controller
 log = structlog.get_logger("controllerd.daemon.follower")
 
 #: Keys applied between two yields to the event loop during a load or a catch-up.
-SLICE = 500
+SLICE = 200
 #: Pages read from etcd ahead of the one being applied during a load.
 READ_AHEAD_PAGES = 4
 
