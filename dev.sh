@@ -58,9 +58,10 @@ case "$cmd" in
         .venv/bin/mypy
         .venv/bin/lint-imports
         # Two workers by default: most tests wait on etcd, brokers and subprocesses, so
-        # two run well on 2 cores. A test file stays on one worker (its module fixtures
-        # start once). CONTROLLERD_TEST_WORKERS=0 runs everything in this process.
-        .venv/bin/python -m pytest -n "${CONTROLLERD_TEST_WORKERS:-2}" --dist loadfile "$@"
+        # two run well on 2 cores; an idle worker steals tests from the other, so neither
+        # waits alone on a long file at the end. CONTROLLERD_TEST_WORKERS=0 runs
+        # everything in this process.
+        .venv/bin/python -m pytest -n "${CONTROLLERD_TEST_WORKERS:-2}" --dist worksteal "$@"
         ;;
     run)
         shift
