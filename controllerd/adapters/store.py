@@ -798,8 +798,8 @@ class Store:
                 while (raw := await call.read()) is not grpc.aio.EOF:
                     failures = 0
                     # A catching-up response holds up to 1000 revisions (128k events of
-                    # 128-put transactions, 30 MB): decoding it in one piece held the
-                    # loop for up to 125 ms, and converting it at once for longer. Its
+                    # 128-put transactions, 20 MB and more): decoding it in one piece
+                    # held the loop for 46-48 ms in process, more on a busy host. Its
                     # other fields come first (etcd writes fields in number order); the
                     # events are decoded and handed over WATCH_BATCH at a time, in
                     # batches that end only between revisions, so resuming from the
