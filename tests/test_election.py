@@ -107,7 +107,8 @@ async def test_one_leader_then_graceful_handover(
 
         # Handed over by the resignation, not by waiting out A's lease: A
         # deleted its key and revoked its lease, and B won on that deletion.
-        assert logs.find("election.resigned", token=a.leadership.token, deleted_key=True)
+        # A logs its resignation after the revoke, so B may have won before it.
+        assert await logs.wait_for("election.resigned", token=a.leadership.token, deleted_key=True)
         assert (await logs.wait_for("election.won", identity={"name": "b"}))["after"] == (
             "key-deleted"
         )
