@@ -239,7 +239,10 @@ async def test_a_burst_from_light_traffic_converges_in_one_decision(
                 stop.set()
         first_split = e2e.layouts[1]
         assert first_split.epoch == 1
-        assert len(first_split.active_segments()) == 4  # 3.5x the threshold: 4 children
+        # 3.5x the threshold: 4 children, or 5 when the producer ran fast on a busy host
+        # (a report of 3.71x once) and the key histogram cannot balance four children
+        # under the threshold. A split sized for a mixture of the two rates has fewer.
+        assert len(first_split.active_segments()) in (4, 5)
 
 
 async def _active(e2e: E2E, n: int) -> bool:
