@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import pytest
 
 from controllerd import config as config_mod
 from controllerd.adapters.broker import BrokerClient
@@ -31,6 +32,11 @@ from tests.support.etcd import EtcdServer
 
 TOPIC = TopicName("e2e", "ns", "orders")
 SPLIT_MSG_RATE = 100  # msg/s in
+
+# Rates measured over 1-2 s windows of real traffic: beside another test worker the
+# producer's pacing jitters and a window reads up to 6x for 3.5x (./dev.sh runs these
+# after the parallel part, on their own).
+pytestmark = pytest.mark.serial
 
 E2E_CONFIG = f"""
 [autoscale]
