@@ -19,7 +19,7 @@ process, mirroring layouts into etcd) and a standby, and prints:
 * the longest event-loop stall (``/status`` ``max_loop_stall_s``), leader
   changes (``controllerd_leader_elections_total`` over both replicas, minus the
   first election) before the takeover phase;
-* raw watch rate: a plain Python watcher (``Store.watch_prefix`` only, a
+* raw watch rate: a plain Python watcher (``Store.watch_prefix_raw`` only, a
   process of its own) counting a backlog of ``--raw-events`` load-record puts
   written under a prefix no replica watches;
 * keep-up: a writer process updates K load records/s (transactions of up to
@@ -36,8 +36,9 @@ process, mirroring layouts into etcd) and a standby, and prints:
   the leaderless gap), -> its full evaluation; and whether its follower loaded
   anything again (``keys_loaded``).
 
-``--profile DIR`` records the leader with py-spy (start, tick, keep-up) and
-prints the top functions of each profile.
+``--profile DIR`` records the leader with py-spy (start, tick, keep-up), and the
+standby while it works off the burst's backlog, and prints the top functions of
+each profile.
 
 Usage: python -m bench.scale_bench [--topics 1000,10000,100000] [--profile DIR]
 """
@@ -72,7 +73,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from controllerd.adapters.store import Put, Store, open_store
 from controllerd.core.layout import initial_layout
 from controllerd.core.model import TopicName, layout_to_json
-from controllerd.core.view import Keys, MetadataView
+from controllerd.core.view import Keys, MetadataView, Outcome
+from controllerd.daemon.follower import SLICE
 from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 from tests.support.daemon import Replica, write_config
 from tests.support.etcd import EtcdServer
@@ -589,6 +591,7 @@ async def burst(bench: Bench, n: int, out: dict[str, Any]) -> None:
         for _ in range(events)
     )
     standby = bench.replicas["r1"]
+    profiler = Profiler(bench.profiler.directory)  # the leader's runs meanwhile
     standby.signal(signal.SIGSTOP)
     try:
         started = time.monotonic()
@@ -597,8 +600,10 @@ async def burst(bench: Bench, n: int, out: dict[str, Any]) -> None:
     finally:
         standby.signal(signal.SIGCONT)
     resumed = time.monotonic()
+    profiler.start(bench.pid("r1"), "backlog")
     leader = await caught_up(bench.probes["r0"], final, 300)
     backlog = await caught_up(bench.probes["r1"], final, 300)
+    profiler.stop()
     out["burst_write_per_s"] = written / wrote
     if leader is not None:
         behind = max(0.0, leader - resumed)  # the leader is polled first: add nothing twice
@@ -808,12 +813,14 @@ def view_apply_costs(n: int, segments: int, events: int = 100_000) -> dict[str, 
         view.apply_put(put.key, put.value, revision, 0)
     load = (time.process_time() - started) / len(puts)
     updates = [
-        (keys.load(rng.choice(topics), rng.randrange(segments)), balanced_record(rng))
-        for _ in range(events)
+        (True, keys.load(rng.choice(topics), rng.randrange(segments)).encode(), record, revision)
+        for revision in range(len(puts) + 1, len(puts) + 1 + events)
+        for record in (balanced_record(rng),)
     ]
+    said: list[Outcome] = []
     started = time.process_time()
-    for revision, (key, record) in enumerate(updates, len(puts) + 1):
-        view.apply_put(key, record, revision, 0)
+    for start in range(0, events, SLICE):  # as the follower hands them over
+        view.apply_events(updates[start : start + SLICE], 0, said.append)
     follow = (time.process_time() - started) / events
     return {"load_us_per_key": load * 1e6, "follow_us_per_event": follow * 1e6}
 
@@ -1140,7 +1147,9 @@ async def raw_watch_role(args: argparse.Namespace) -> None:
     async with open_store([args.etcd], timeout=10.0, retry_for=30.0) as store:
         count = 0
         started = time.monotonic()
-        async with contextlib.aclosing(store.watch_prefix(args.prefix, args.start)) as watch:
+        # The cheapest way into Python the store has (the follower's own): each event
+        # a tuple of its bytes, nothing decoded or built beyond that.
+        async with contextlib.aclosing(store.watch_prefix_raw(args.prefix, args.start)) as watch:
             async for batch in watch:
                 count += len(batch)
                 if count >= args.events:

@@ -226,6 +226,14 @@ async def test_watch_yields_puts_and_deletes_in_order(store: Store, etcd_prefix:
         ("put", "c", b"3"),
         ("delete", "b", b""),
     ]
+    async with aclosing(store.watch_prefix_raw(etcd_prefix, revision + 1)) as raw_watch:
+        raw = []
+        with anyio.fail_after(10):
+            async for raw_batch in raw_watch:
+                raw.extend(raw_batch)
+                if raw_batch[-1][3] == both.revision:
+                    break
+    assert raw == [(e.kind == "put", e.key.encode(), e.value, e.mod_revision) for e in events]
     batch_of = {e.mod_revision: i for i, batch in enumerate(seen) for e in batch}
     assert all(batch_of[e.mod_revision] == i for i, batch in enumerate(seen) for e in batch)
     revisions = [e.mod_revision for e in events]
@@ -445,6 +453,18 @@ async def test_a_large_watch_response_comes_in_batches_that_end_between_revision
     assert all(len(batch) % 30 == 0 and len(batch) <= 120 for batch in batches)
     # 600 events of ~100 bytes came in one or a few responses, decoded 100 events at a time
     assert decoded and max(decoded) * 5 < sum(decoded)
+    # the raw form the follower reads: the same events in the same batches
+    raw: list[list[tuple[bool, bytes, bytes, int]]] = []
+    with anyio.fail_after(20):
+        async with aclosing(store.watch_prefix_raw(etcd_prefix, start + 1)) as raw_watch:
+            async for raw_batch in raw_watch:
+                raw.append(raw_batch)
+                if sum(map(len, raw)) >= 600:
+                    break
+    assert raw == [
+        [(e.kind == "put", e.key.encode(), e.value, e.mod_revision) for e in batch]
+        for batch in batches
+    ]
 
 
 def _response(events: list[tuple[int, bytes, bytes, int]], **head: Any) -> WatchResponse:

@@ -16,7 +16,7 @@ from controllerd.core.model import (
     TopicName,
     layout_to_json,
     load_sample_from_json,
-    plain_load,
+    plain_load_json,
 )
 from controllerd.core.view import (
     Change,
@@ -278,27 +278,105 @@ _json_scalars = st.one_of(
 )
 
 
-@given(st.dictionaries(st.sampled_from(_RECORD_KEYS), _json_scalars), _ms)
+def _agrees_with_the_full_parse(value: bytes, seen: int) -> bool:
+    """``plain_load_json`` reads ``value`` exactly as the full parse does, or leaves it
+    to it: never a different value, never a record the full parse rejects. True when
+    it read it."""
+    row = plain_load_json(value, seen)
+    if row is None:
+        return False
+    sample = load_sample_from_json(orjson.loads(value), seen_at_ms=seen)
+    assert (sample.cold_since_ms, sample.hash_buckets, sample.flipflops) == (None, None, 0)
+    assert (sample.peak_rates, sample.last_flipflop_ms) == (None, None)
+    assert row == (*sample.rates.as_tuple(), sample.changed_at_ms, sample.sampled_at_ms)
+    assert all(type(rate) is float for rate in row[:4])
+    return True
+
+
+_numbers = st.one_of(
+    st.floats(0, 1e12), st.integers(0, 2**64), st.floats(), st.integers(-5, 5), st.booleans()
+)
+_stamps = st.one_of(st.integers(-(2**63), 2**64), st.floats(0, 2**53), st.none())
+#: Records close to the common shape, so that many take the fast read.
+_plausible = st.fixed_dictionaries(
+    {name: _numbers for name in ("msgRateIn", "bytesRateIn", "msgRateOut", "bytesRateOut")},
+    optional={
+        "byteRateIn": _numbers,
+        "byteRateOut": _numbers,
+        "sampledAtMs": _stamps,
+        "changedAtMs": _stamps,
+        "coldSinceMs": _stamps,
+        "flipflops": _stamps,
+    },
+)
+
+
+@given(st.dictionaries(st.sampled_from(_RECORD_KEYS), _json_scalars) | _plausible, _ms)
 def test_the_fast_read_of_a_load_record_agrees_with_the_full_parse(
     record: dict[str, object], seen: int
 ) -> None:
-    """``plain_load`` (the follower's fast path) reads a record exactly as
-    ``load_sample_from_json`` does, or leaves it to it: never a different value,
-    never a record the full parse rejects."""
-    row = plain_load(record, seen)
-    if row is None:
-        return
-    sample = load_sample_from_json(record, seen_at_ms=seen)
-    assert (sample.cold_since_ms, sample.hash_buckets, sample.flipflops) == (None, None, 0)
-    assert row == (*sample.rates.as_tuple(), sample.changed_at_ms, sample.sampled_at_ms)
+    try:
+        value = orjson.dumps(record)
+    except orjson.JSONEncodeError:  # NaN and infinities: JSON has none
+        value = json.dumps(record).encode()
+    _agrees_with_the_full_parse(value, seen)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(_RECORD_KEYS),
+            st.sampled_from(
+                [
+                    "1",
+                    "1.5",
+                    "-0.0",
+                    "0",
+                    "1e308",
+                    "1e309",
+                    "18446744073709551616",
+                    "100000000000000000000000000000",
+                    "9007199254740993",
+                    "true",
+                    "null",
+                    '"1"',
+                    "[]",
+                    "{}",
+                    "NaN",
+                    "-1",
+                    "1.0e2",
+                    "5.0",
+                ]
+            ),
+        ),
+        max_size=10,
+    ),
+    st.sampled_from(["", " ", "\n", "x", ",", "\ufeff"]),
+    _ms,
+)
+def test_the_fast_read_agrees_on_raw_json_text(
+    members: list[tuple[str, str]], around: str, seen: int
+) -> None:
+    """Text orjson.dumps never writes: repeated keys, big and odd literals, stray bytes."""
+    text = "{" + ",".join(f'"{k}":{v}' for k, v in members) + "}"
+    for value in (text.encode(), (around + text).encode(), (text + around).encode()):
+        try:
+            orjson.loads(value)
+        except orjson.JSONDecodeError:
+            assert plain_load_json(value, seen) is None
+            continue
+        _agrees_with_the_full_parse(value, seen)
 
 
 def test_pulsar_and_reporter_records_take_the_fast_read() -> None:
     rates = {"msgRateIn": 1.5, "bytesRateIn": 2.0, "msgRateOut": 0.0, "bytesRateOut": 4.0}
-    assert plain_load(rates, 7) == (1.5, 2.0, 0.0, 4.0, 7, None)
+    assert plain_load_json(orjson.dumps(rates), 7) == (1.5, 2.0, 0.0, 4.0, 7, None)
     stamped = {**rates, "byteRateIn": 3.0, "sampledAtMs": 9, "changedAtMs": 8}
-    assert plain_load(stamped, 7) == (1.5, 3.0, 0.0, 4.0, 8, 9)
-    assert plain_load({**rates, "flipflops": 0}, 7) is None  # an extension: the full parse
+    assert plain_load_json(orjson.dumps(stamped), 7) == (1.5, 3.0, 0.0, 4.0, 8, 9)
+    with_ints = {**rates, "msgRateIn": 2}  # what json.dumps of a Java double 2.0 is not
+    assert plain_load_json(orjson.dumps(with_ints), 7) == (2.0, 2.0, 0.0, 4.0, 7, None)
+    assert plain_load_json(orjson.dumps({**rates, "flipflops": 0}), 7) is None  # extension
+    assert plain_load_json(orjson.dumps({**rates, "brokerName": "b"}), 7) is None  # unknown
     view = fresh()
     view.apply_put(KEYS.load(T, 0), orjson.dumps(stamped), 11, NOW)
     assert view.topics[T].loads[0] == load_sample_from_json(stamped)
@@ -325,3 +403,124 @@ def test_with_cold_since_is_replace_on_every_field() -> None:
     assert all(getattr(full, f.name) != f.default for f in dataclasses.fields(LoadSample)), (
         "give every field a non-default value above"
     )
+
+
+_HEAD = "/pulsar/topics/acme/ns/"
+#: Layout keys, among them names that make ``/segments/`` and decoding tricky: a topic
+#: called ``segments``, a percent-encoded one, another spelling of it, and bytes
+#: that are not UTF-8.
+_TOPIC_KEYS = (
+    f"{_HEAD}orders".encode(),
+    f"{_HEAD}segments".encode(),
+    f"{_HEAD}a%3Ab".encode(),
+    f"{_HEAD}a:b".encode(),
+    f"{_HEAD}bad\xff".encode("latin-1"),
+)
+_TAILS = ("/segments/0/load", "/segments/1/load", "/segments/01/load", "/segments/x/load", "")
+_EVENT_VALUES = (
+    load_bytes(1.0),
+    load_bytes(9_000.0),
+    orjson.dumps({"msgRateIn": 2.0, "bytesRateIn": 1.0, "msgRateOut": 0.5, "bytesRateOut": 3.0}),
+    load_bytes(3.0, flipflops=2),
+    load_bytes(4.0, sampledAtMs=NOW - 5),
+    b'{"msgRateIn": -1.0}',
+    b"{",
+    layout_bytes(2),
+    layout_bytes(4),
+)
+_events = st.lists(
+    st.tuples(
+        st.booleans() | st.just(True),
+        st.sampled_from(_TOPIC_KEYS),
+        st.sampled_from(_TAILS),
+        st.sampled_from(_EVENT_VALUES),
+        st.integers(0, 3),
+    ),
+    max_size=40,
+)
+
+
+def _view_state(view: MetadataView) -> dict[TopicName, object]:
+    return {
+        name: (
+            state.layout,
+            state.layout_revision,
+            state.layout_error,
+            state.subscriptions,
+            state.consumers,
+            {sid: (state.loads[sid], state.loads.revision(sid)) for sid in state.loads},
+            state.loads._extra,
+            state.version,
+        )
+        for name, state in view.topics.items()
+    }
+
+
+@given(_events, st.integers(1, 7))
+def test_applying_watched_events_in_bulk_is_applying_them_one_by_one(
+    steps: list[tuple[bool, bytes, str, bytes, int]], chunk: int
+) -> None:
+    """``apply_events`` (bytes keys, the load fast path) ends in the same view and says
+    the same outcomes as ``apply_put``/``apply_delete`` of each decoded key."""
+    events: list[tuple[bool, bytes, bytes, int]] = []
+    revision = 10
+    for put, head, tail, value, bump in steps:
+        revision += bump  # 0: the same revision again, as a reload replays it
+        events.append((put, head + tail.encode(), value if put else b"", revision))
+    bulk, single = MetadataView(KEYS), MetadataView(KEYS)
+    said: list[object] = []
+    for start in range(0, len(events), chunk):
+        bulk.apply_events(events[start : start + chunk], NOW + start, said.append)
+    expected: list[object] = []
+    for i, (put, key, value, rev) in enumerate(events):
+        text = key.decode(errors="replace")
+        now = NOW + i // chunk * chunk
+        expected.append(
+            single.apply_put(text, value, rev, now) if put else single.apply_delete(text)
+        )
+    assert said == expected
+    assert _view_state(bulk) == _view_state(single)
+
+
+def test_a_load_key_applied_before_takes_the_fast_path_until_its_topic_is_deleted() -> None:
+    view = fresh()
+    key = KEYS.load(T, 1).encode()
+    full: list[str] = []
+    apply_put = view.apply_put
+
+    def counted(k: str, value: bytes, revision: int, now_ms: int) -> object:
+        full.append(k)
+        return apply_put(k, value, revision, now_ms)
+
+    view.apply_put = counted  # type: ignore[method-assign,assignment]
+    said: list[object] = []
+    view.apply_events([(True, key, load_bytes(1.0), 11)], NOW, said.append)
+    view.apply_events([(True, key, load_bytes(2.0), 12)], NOW, said.append)
+    assert full == [KEYS.load(T, 1)]  # the second one never reached the full path
+    assert said == [Change("load", T, True, 1)] * 2
+    assert view.topics[T].loads[1].rates.msg_rate_in == 2.0
+    view.apply_events([(False, KEYS.layout(T).encode(), b"", 13)], NOW, said.append)
+    view.apply_events([(True, key, load_bytes(3.0), 14)], NOW, said.append)
+    assert full[-1] == KEYS.load(T, 1)  # a deleted topic's keys take the full path again
+    assert view.topics[T].loads[1].rates.msg_rate_in == 3.0
+
+
+def test_a_deleted_topic_is_not_written_through_another_spelling_of_its_key() -> None:
+    """``a%3Ab`` and ``a:b`` name one topic; deleting it by one spelling leaves the
+    other's fast-path entry behind, and that entry must not feed the dropped state."""
+    view = MetadataView(KEYS)
+    encoded, plain = (f"{_HEAD}{name}" for name in ("a%3Ab", "a:b"))
+    view.apply_put(encoded, layout_bytes(), 10, NOW)
+    first = (True, f"{plain}/segments/0/load".encode(), load_bytes(1.0), 11)
+    view.apply_events([first], NOW, lambda _: None)
+    (name,) = view.topics
+    dropped = view.topics[name]
+    view.apply_delete(encoded)
+    said: list[object] = []
+    view.apply_events(
+        [(True, f"{plain}/segments/0/load".encode(), load_bytes(2.0), 12)], NOW, said.append
+    )
+    assert dropped.loads[0].rates.msg_rate_in == 1.0
+    assert view.topics[name] is not dropped
+    assert view.topics[name].loads[0].rates.msg_rate_in == 2.0
+    assert said == [Change("load", name, True, 0)]

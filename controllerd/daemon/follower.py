@@ -240,19 +240,13 @@ class Follower:
         view, note = self._view, self._on_outcome
         while True:
             try:
-                async for batch in self._store.watch_prefix(prefix, revision):
+                async for batch in self._store.watch_prefix_raw(prefix, revision):
                     now = self._clock.now_ms()
                     for start in range(0, len(batch), SLICE):
-                        for event in batch[start : start + SLICE]:
-                            if event.kind == "put":
-                                note(
-                                    view.apply_put(event.key, event.value, event.mod_revision, now)
-                                )
-                            else:
-                                note(view.apply_delete(event.key))
+                        view.apply_events(batch[start : start + SLICE], now, note)
                         if len(batch) > SLICE:
                             await anyio.lowlevel.checkpoint()
-                    revision = batch[-1].mod_revision + 1
+                    revision = batch[-1][3] + 1
                     self.stats.events += len(batch)
                     self.stats.revision = revision - 1
                     await anyio.lowlevel.checkpoint()
