@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -438,13 +438,7 @@ async def test_a_large_watch_response_comes_in_batches_that_end_between_revision
     for t in range(20):  # 20 transactions of 30 puts: 600 events, 20 revisions
         puts = [Put(key, b"v") for key in expected[t * 30 : (t + 1) * 30]]
         await store.txn([Compare.absent(puts[0].key)], puts)
-    batches: list[list[WatchEvent]] = []
-    with anyio.fail_after(20):
-        async with aclosing(store.watch_prefix(etcd_prefix, start + 1)) as watch:
-            async for batch in watch:
-                batches.append(batch)
-                if sum(map(len, batches)) >= 600:
-                    break
+    batches = await _first_batches(store.watch_prefix(etcd_prefix, start + 1), 600)
     got = [event for batch in batches for event in batch]
     assert [e.key for e in got] == [
         f"{etcd_prefix}{t:02d}/{i:02d}" for t in range(20) for i in range(30)
@@ -454,17 +448,26 @@ async def test_a_large_watch_response_comes_in_batches_that_end_between_revision
     # 600 events of ~100 bytes came in one or a few responses, decoded 100 events at a time
     assert decoded and max(decoded) * 5 < sum(decoded)
     # the raw form the follower reads: the same events in the same batches
-    raw: list[list[tuple[bool, bytes, bytes, int]]] = []
-    with anyio.fail_after(20):
-        async with aclosing(store.watch_prefix_raw(etcd_prefix, start + 1)) as raw_watch:
-            async for raw_batch in raw_watch:
-                raw.append(raw_batch)
-                if sum(map(len, raw)) >= 600:
-                    break
+    raw = await _first_batches(store.watch_prefix_raw(etcd_prefix, start + 1), 600)
     assert raw == [
         [(e.kind == "put", e.key.encode(), e.value, e.mod_revision) for e in batch]
         for batch in batches
     ]
+
+
+_T = TypeVar("_T")
+
+
+async def _first_batches(watch: AsyncGenerator[list[_T], None], events: int) -> list[list[_T]]:
+    """The batches of ``watch`` until they hold ``events`` events."""
+    batches: list[list[_T]] = []
+    with anyio.fail_after(20):
+        async with aclosing(watch):
+            async for batch in watch:
+                batches.append(batch)
+                if sum(map(len, batches)) >= events:
+                    break
+    return batches
 
 
 def _response(events: list[tuple[int, bytes, bytes, int]], **head: Any) -> WatchResponse:
