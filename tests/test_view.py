@@ -325,9 +325,11 @@ def test_the_fast_read_of_a_load_record_agrees_with_the_full_parse(
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(_RECORD_KEYS),
+            st.sampled_from([k.encode() for k in _RECORD_KEYS] + [b"x\xff", b"\xc0\xaf"]),
             st.sampled_from(
                 [
+                    "1" + "0" * 309,
+                    "-9223372036854775809",
                     "1",
                     "1.5",
                     "-0.0",
@@ -355,11 +357,12 @@ def test_the_fast_read_of_a_load_record_agrees_with_the_full_parse(
     _ms,
 )
 def test_the_fast_read_agrees_on_raw_json_text(
-    members: list[tuple[str, str]], around: str, seen: int
+    members: list[tuple[bytes, str]], around: str, seen: int
 ) -> None:
-    """Text orjson.dumps never writes: repeated keys, big and odd literals, stray bytes."""
-    text = "{" + ",".join(f'"{k}":{v}' for k, v in members) + "}"
-    for value in (text.encode(), (around + text).encode(), (text + around).encode()):
+    """Text orjson.dumps never writes: repeated keys, keys that are not UTF-8, big and
+    odd literals, stray bytes."""
+    text = b"{" + b",".join(b'"' + k + b'":' + v.encode() for k, v in members) + b"}"
+    for value in (text, around.encode() + text, text + around.encode()):
         try:
             orjson.loads(value)
         except orjson.JSONDecodeError:
@@ -373,6 +376,7 @@ def test_pulsar_and_reporter_records_take_the_fast_read() -> None:
     assert plain_load_json(orjson.dumps(rates), 7) == (1.5, 2.0, 0.0, 4.0, 7, None)
     stamped = {**rates, "byteRateIn": 3.0, "sampledAtMs": 9, "changedAtMs": 8}
     assert plain_load_json(orjson.dumps(stamped), 7) == (1.5, 3.0, 0.0, 4.0, 8, 9)
+    assert plain_load_json(b'{"msgRateIn":1,"x\xff":1}', 7) is None  # not UTF-8
     with_ints = {**rates, "msgRateIn": 2}  # what json.dumps of a Java double 2.0 is not
     assert plain_load_json(orjson.dumps(with_ints), 7) == (2.0, 2.0, 0.0, 4.0, 7, None)
     assert plain_load_json(orjson.dumps({**rates, "flipflops": 0}), 7) is None  # extension
@@ -524,3 +528,24 @@ def test_a_deleted_topic_is_not_written_through_another_spelling_of_its_key() ->
     assert view.topics[name] is not dropped
     assert view.topics[name].loads[0].rates.msg_rate_in == 2.0
     assert said == [Change("load", name, True, 0)]
+
+
+def test_a_bad_record_on_the_fast_path_is_rejected_as_on_the_full_path() -> None:
+    """Values msgspec fails on otherwise than orjson (a key that is not UTF-8, a time
+    stamp that overflows a double) once escaped ``apply_events``, and one left the
+    row half written: now they take the full path and are rejected there."""
+    key = KEYS.load(T, 1)
+    rates = b'"msgRateIn":5.0,"byteRateIn":1.0,"msgRateOut":1.0,"byteRateOut":1.0'
+    for bad in (
+        b"{" + rates + b',"x\xff":1}',
+        b"{" + rates + b',"changedAtMs":1' + b"0" * 309 + b"}",
+    ):
+        bulk, single = fresh(), fresh()
+        said: list[object] = []
+        bulk.apply_events([(True, key.encode(), load_bytes(1.0), 11)], NOW, said.append)
+        single.apply_put(key, load_bytes(1.0), 11, NOW)
+        bulk.apply_events([(True, key.encode(), bad, 12)], NOW, said.append)
+        expected = single.apply_put(key, bad, 12, NOW)
+        assert isinstance(expected, Rejected) and said[-1] == expected
+        assert 1 not in bulk.topics[T].loads and 1 not in single.topics[T].loads
+        assert _view_state(bulk) == _view_state(single)

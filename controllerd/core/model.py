@@ -668,6 +668,9 @@ PlainLoad = tuple[float, float, float, float, int, int | None]
 #: A rate of a plain record: a finite number >= 0 (JSON has no NaN or infinity, and
 #: a literal beyond a double's range fails the decode).
 _PlainRate = Annotated[float, msgspec.Meta(ge=0.0)]
+#: A time stamp of a plain record: a signed 64-bit integer, which orjson reads as one
+#: too (it turns a longer one into a float, which the full parse reads its own way).
+_PlainStamp = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class _PlainRecord(msgspec.Struct, forbid_unknown_fields=True):
@@ -680,8 +683,8 @@ class _PlainRecord(msgspec.Struct, forbid_unknown_fields=True):
     msgRateOut: _PlainRate | msgspec.UnsetType = msgspec.UNSET
     byteRateOut: _PlainRate | msgspec.UnsetType = msgspec.UNSET
     bytesRateOut: _PlainRate | msgspec.UnsetType = msgspec.UNSET
-    sampledAtMs: int | msgspec.UnsetType | None = msgspec.UNSET
-    changedAtMs: int | msgspec.UnsetType | None = msgspec.UNSET
+    sampledAtMs: _PlainStamp | msgspec.UnsetType | None = msgspec.UNSET
+    changedAtMs: _PlainStamp | msgspec.UnsetType | None = msgspec.UNSET
 
 
 _decode_plain: Final = msgspec.json.Decoder(_PlainRecord).decode
@@ -701,7 +704,7 @@ def plain_load_json(value: bytes, seen_at_ms: int) -> PlainLoad | None:
     """
     try:
         record = _decode_plain(value)
-    except msgspec.MsgspecError:
+    except Exception:  # any failure only means "not plain": the full parse names it
         return None
     a, c = record.msgRateIn, record.msgRateOut
     b = record.byteRateIn

@@ -324,12 +324,13 @@ class LoadTable(Mapping[int, LoadSample]):
         if load is None:
             return False
         a, b, c, d, changed, sampled = load
-        rows[base] = a
+        changed_at, sampled_at = float(changed), _NAN if sampled is None else float(sampled)
+        rows[base] = a  # nothing below can fail: the row is never half written
         rows[base + 1] = b
         rows[base + 2] = c
         rows[base + 3] = d
-        rows[base + 4] = float(changed)
-        rows[base + 5] = _NAN if sampled is None else float(sampled)
+        rows[base + 4] = changed_at
+        rows[base + 5] = sampled_at
         self._revisions[slot] = revision
         if self._extra is not None:
             self._extra.pop(segment_id, None)
