@@ -288,12 +288,16 @@ class LoadTable(Mapping[int, LoadSample]):
 
     def put_plain(self, segment_id: int, load: PlainLoad, revision: int) -> None:
         """Store a record with no extension (:func:`plain_load_json`); keeps the held cold-since."""
+        self._store_at(self._slot(segment_id), segment_id, load, revision)
+
+    def _store_at(self, slot: int, segment_id: int, load: PlainLoad, revision: int) -> None:
+        """Write ``load`` into row ``slot`` (-1: a new row). Every value is converted
+        before any is written, so a failure never leaves a row half written."""
         a, b, c, d, changed, sampled = load
-        when = _NAN if sampled is None else float(sampled)
-        slot = self._slot(segment_id)
+        changed_at, sampled_at = float(changed), _NAN if sampled is None else float(sampled)
         if slot < 0:
             self._ids.append(segment_id)
-            self._rows.extend((a, b, c, d, float(changed), when, _NAN))
+            self._rows.extend((a, b, c, d, changed_at, sampled_at, _NAN))
             self._revisions.append(revision)
         else:
             rows, base = self._rows, slot * _STRIDE
@@ -301,8 +305,8 @@ class LoadTable(Mapping[int, LoadSample]):
             rows[base + 1] = b
             rows[base + 2] = c
             rows[base + 3] = d
-            rows[base + 4] = float(changed)
-            rows[base + 5] = when
+            rows[base + 4] = changed_at
+            rows[base + 5] = sampled_at
             self._revisions[slot] = revision
         if self._extra is not None:
             self._extra.pop(segment_id, None)
@@ -318,22 +322,11 @@ class LoadTable(Mapping[int, LoadSample]):
             slot = self._ids.index(segment_id)
         except ValueError:
             return False
-        rows, base = self._rows, slot * _STRIDE
-        seen = int(rows[base + 4]) if self._revisions[slot] == revision else now_ms
+        seen = int(self._rows[slot * _STRIDE + 4]) if self._revisions[slot] == revision else now_ms
         load = plain_load_json(value, seen)
         if load is None:
             return False
-        a, b, c, d, changed, sampled = load
-        changed_at, sampled_at = float(changed), _NAN if sampled is None else float(sampled)
-        rows[base] = a  # nothing below can fail: the row is never half written
-        rows[base + 1] = b
-        rows[base + 2] = c
-        rows[base + 3] = d
-        rows[base + 4] = changed_at
-        rows[base + 5] = sampled_at
-        self._revisions[slot] = revision
-        if self._extra is not None:
-            self._extra.pop(segment_id, None)
+        self._store_at(slot, segment_id, load, revision)
         return True
 
     def peek(self, segment_id: int) -> Peek | None:
