@@ -22,6 +22,13 @@ process, mirroring layouts into etcd) and a standby, and prints:
 * raw watch rate: a plain Python watcher (``Store.watch_prefix_raw`` only, a
   process of its own) counting a backlog of ``--raw-events`` load-record puts
   written under a prefix no replica watches;
+* live burst: ``--raw-events`` load puts written as fast as etcd takes them,
+  followed at once by the leader, the standby and a plain watcher of the same
+  prefix (the issue's "plain Python etcd client" under a load-record storm):
+  each one's events/s, and each replica's as a share of the plain watcher's;
+* burst and backlog: the same again with the standby stopped (SIGSTOP); the
+  leader's events/s, then the standby's as it works off the whole backlog,
+  each as a share of the raw (backlog) watch rate;
 * keep-up: a writer process updates K load records/s (transactions of up to
   128 puts every 10 ms; values stay balanced, so no decision is due) for
   ``--step-seconds``; the replica *kept up* when, after the writer stops, its
@@ -552,6 +559,7 @@ async def keep_up(bench: Bench, n: int, out: dict[str, Any]) -> None:
     """How fast each replica follows etcd: a burst, a backlog, then K writes/s climbing."""
     pid = bench.pid("r0")
     bench.profiler.start(pid, "keepup")
+    await live_burst(bench, n, out)
     await burst(bench, n, out)
     results: list[dict[str, Any]] = []
     for rate in bench.args.rates:
@@ -577,6 +585,69 @@ async def keep_up(bench: Bench, n: int, out: dict[str, Any]) -> None:
     out["max_stall_after_keepup_ms"] = await max_stall_ms(bench, "r0")
     out["max_stall_on_cpu_after_keepup_ms"] = await max_stall_ms(
         bench, "r0", "max_loop_stall_on_cpu_s"
+    )
+
+
+async def live_burst(bench: Bench, n: int, out: dict[str, Any]) -> None:
+    """``--raw-events`` load puts written as fast as etcd takes them, followed live by
+    both replicas and by a plain watcher (``_raw_watch``, a process of its own) at
+    once: the issue's yardstick, "a plain Python etcd client" under a load-record
+    storm. Events/s of each: the burst over the time from its first write to when
+    that follower had seen its last."""
+    events = bench.args.raw_events
+    topics = topic_names(n, tenant=TENANT, namespaces=NAMESPACES)
+    rng = random.Random(7)
+    puts = (
+        Put(bench.keys.load(rng.choice(topics), rng.randrange(16)), balanced_record(rng))
+        for _ in range(events)
+    )
+    start = await bench.revision()
+    watcher = run_role(
+        bench,
+        "_raw_watch",
+        "--prefix",
+        bench.keys.topics_prefix,
+        "--from",
+        str(start + 1),
+        "--events",
+        str(events),
+        "--ready",
+    )
+    assert watcher.stdout is not None
+    ready = await anyio.to_thread.run_sync(watcher.stdout.readline)
+    if not ready:
+        print("  live burst: the plain watcher did not start")
+        return
+    started = time.monotonic()
+    written, final = await put_all(bench.store, puts)
+    wrote = time.monotonic() - started
+    reached: dict[str, float | None] = {}
+
+    async def follow(name: str) -> None:
+        reached[name] = await caught_up(bench.probes[name], final, 300)
+
+    async with anyio.create_task_group() as tg:
+        for name in ("r0", "r1"):
+            if name in bench.probes and bench.replicas[name].alive():
+                tg.start_soon(follow, name)
+    result = await finish(watcher)
+    out["live_write_per_s"] = written / wrote
+    plain = result.get("last_at")
+    if plain is not None:
+        out["live_plain_per_s"] = written / max(wrote, plain - started)
+    for name, key in (("r0", "live_leader_per_s"), ("r1", "live_standby_per_s")):
+        at = reached.get(name)
+        if at is not None:
+            out[key] = written / max(wrote, at - started)
+            if plain is not None:
+                out[key.replace("_per_s", "_ratio")] = out[key] / out["live_plain_per_s"]
+    print(
+        f"  live burst of {written} puts at {out['live_write_per_s']:.0f}/s, followed by "
+        f"the plain watcher at {_fmt(out.get('live_plain_per_s'), 'ev/s', digits=0)}, "
+        f"the leader at {_fmt(out.get('live_leader_per_s'), 'ev/s', digits=0)} "
+        f"({_fmt(out.get('live_leader_ratio'), '%', 100, 0)}), the standby at "
+        f"{_fmt(out.get('live_standby_per_s'), 'ev/s', digits=0)} "
+        f"({_fmt(out.get('live_standby_ratio'), '%', 100, 0)})"
     )
 
 
@@ -1029,7 +1100,25 @@ def cells(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, str, s
             GOALS["leader_changes"],
             f"{g('leader_changes')} / {g('leader_changes_after_storms')}",
         ),
-        ("raw watch rate (plain watcher)", "", _fmt(g("raw_events_per_s"), "ev/s", digits=0)),
+        (
+            "live burst: written / a plain watcher followed it (events/s)",
+            "",
+            f"{_fmt(g('live_write_per_s'), 'ev/s', digits=0)} / "
+            f"{_fmt(g('live_plain_per_s'), 'ev/s', digits=0)}",
+        ),
+        (
+            "leader / standby follow the live burst (events/s; % of the plain watcher)",
+            GOALS["keep_up_ratio"],
+            f"{_fmt(g('live_leader_per_s'), 'ev/s', digits=0)}; "
+            f"{_fmt(g('live_leader_ratio'), '%', 100, 0)} / "
+            f"{_fmt(g('live_standby_per_s'), 'ev/s', digits=0)}; "
+            f"{_fmt(g('live_standby_ratio'), '%', 100, 0)}",
+        ),
+        (
+            "raw watch rate (plain watcher, a backlog)",
+            "",
+            _fmt(g("raw_events_per_s"), "ev/s", digits=0),
+        ),
         (
             "leader follows a burst (events/s; % of raw)",
             GOALS["keep_up_ratio"],
@@ -1146,8 +1235,15 @@ async def writer_role(args: argparse.Namespace) -> None:
 
 
 async def raw_watch_role(args: argparse.Namespace) -> None:
-    """Count events under ``prefix`` from ``from`` until ``events`` arrived."""
+    """Count events under ``prefix`` from ``from`` until ``events`` arrived; print when
+    the last came (``time.monotonic()``, one clock for every process on the host).
+
+    With ``--ready`` it first prints a line once connected, so a live burst can wait
+    for it before writing."""
     async with open_store([args.etcd], timeout=10.0, retry_for=30.0) as store:
+        if args.ready:
+            await store.probe(args.prefix, 5.0)
+            print(json.dumps({"ready": True}), flush=True)
         count = 0
         started = time.monotonic()
         # The cheapest way into Python the store has (the follower's own): each event
@@ -1157,8 +1253,8 @@ async def raw_watch_role(args: argparse.Namespace) -> None:
                 count += len(batch)
                 if count >= args.events:
                     break
-        seconds = time.monotonic() - started
-    print(json.dumps({"events": count, "seconds": seconds}))
+        last_at = time.monotonic()
+    print(json.dumps({"events": count, "seconds": last_at - started, "last_at": last_at}))
 
 
 async def noise_role(args: argparse.Namespace) -> None:
@@ -1197,6 +1293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         role.add_argument("--prefix")
         role.add_argument("--from", dest="start", type=int)
         role.add_argument("--events", type=int)
+        role.add_argument("--ready", action="store_true")
         parsed = role.parse_args(argv)
         roles = {"_writer": writer_role, "_raw_watch": raw_watch_role, "_noise": noise_role}
         anyio.run(roles[parsed.role], parsed)

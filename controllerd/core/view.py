@@ -449,6 +449,10 @@ class TopicState:
     version: int = 0
     #: Set when the topic is deleted from the view: its state is then no one's.
     dropped: bool = False
+    #: The controller's cache of what it derived from this state (its resolved policy,
+    #: with the stamps it holds for); the view never reads it. Kept here because the
+    #: state is already in the CPU's cache when a followed record reaches the controller.
+    policy_memo: tuple[Any, ...] | None = None
 
     def consumer_counts(self) -> dict[str, int]:
         """Consumers per STREAM/CHECKPOINT subscription (QUEUE ones never split)."""

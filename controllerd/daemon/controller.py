@@ -247,7 +247,6 @@ class Controller:
             TopicName,
             tuple[Layout, Split | Merge, PolicySettings, Mapping[int, LoadSample], int],
         ] = {}
-        self._policies: dict[TopicName, tuple[object, PolicySettings | PolicyInvalid]] = {}
         self._config_generation = 0
         self._shared: dict[tuple[int, ...], PolicySettings | PolicyInvalid] = {}
         self._shared_generation = (-1, -1)
@@ -398,6 +397,12 @@ class Controller:
     def note(self, outcome: Outcome) -> None:
         """One applied etcd value (from the follower): count rejections, trigger work."""
         self._last_applied = self._pacer.now()
+        if type(outcome) is Change and outcome.kind == "load" and not self._scopes:
+            # Most of what a standby follows (it leads nothing): only the gate of what a
+            # takeover must look at first; the general path below ends there too.
+            if outcome.trigger and self._running:
+                self._note_missed(outcome)
+            return
         if outcome is None:
             return
         if isinstance(outcome, Rejected):
@@ -412,7 +417,6 @@ class Controller:
             return
         if outcome.kind == "layout" and outcome.topic is not None:
             self._layout_arrived(outcome.topic)
-            self._policies.pop(outcome.topic, None)
             self._index(outcome.topic)
             self._carry_history(outcome.topic)
             if outcome.topic not in self.view.topics:  # deleted: forget what we kept
@@ -429,7 +433,7 @@ class Controller:
                 self._first_pass.discard(outcome.topic)
             self._metrics.topics.set(len(self.view.topics))
         if outcome.kind == "policy":
-            self._policies.clear()
+            self._config_generation += 1  # every topic's resolved policy is stale
         if not outcome.trigger or not self._running:
             return
         if outcome.topic is None:
@@ -802,6 +806,9 @@ class Controller:
         Only ``[policy]`` and ``broker.profile`` enter it, so a reload that changes
         neither keeps the cache: resolving every topic again after each SIGHUP slowed
         reactions under a write storm for seconds (issue #12's bench, 10k topics).
+        The cache is the state's ``policy_memo``, stamped with this controller: the
+        per-record gate asks for it on every followed record, and a map of its own
+        cost a cache miss each time (2-3 us a record at 10k topics).
         """
         config = self._config()
         if config is not self._config_seen:
@@ -811,14 +818,25 @@ class Controller:
                 config.broker.profile,
             ):
                 self._config_generation += 1
-                self._policies.clear()
             self._config_seen = config
-        stamp = (self._config_generation, self.view.overrides_generation, state.layout_revision)
-        cached = self._policies.get(state.name)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
+        memo = state.policy_memo
+        if (
+            memo is not None
+            and memo[0] is self
+            and memo[1] == self._config_generation
+            and memo[2] == self.view.overrides_generation
+            and memo[3] == state.layout_revision
+        ):
+            resolved: PolicySettings | PolicyInvalid = memo[4]
+            return resolved
         resolved = self._resolve(config, state)
-        self._policies[state.name] = (stamp, resolved)
+        state.policy_memo = (
+            self,
+            self._config_generation,
+            self.view.overrides_generation,
+            state.layout_revision,
+            resolved,
+        )
         return resolved
 
     def _resolve(self, config: Config, state: TopicState) -> PolicySettings | PolicyInvalid:
