@@ -18,7 +18,7 @@ from controllerd.adapters.election import Leadership, current_leader
 from controllerd.adapters.store import KeyValue, Store, open_store
 from controllerd.core.layout import initial_layout, prune
 from controllerd.core.model import Decision, PolicySettings, TopicName, layout_from_json
-from controllerd.core.view import Keys
+from controllerd.core.view import Keys, TopicState
 from controllerd.daemon import controller as controller_module
 from controllerd.daemon.controller import Controller
 from tests.support.broker import layout_json
@@ -634,6 +634,56 @@ async def test_a_new_leader_first_evaluates_what_changed_while_it_followed(
         await eventually(lambda: h.requests("/split/") == 1)
         assert controller.order[0] == TOPIC
         await eventually(lambda: len(set(controller.order)) == 1_001)  # and then every topic
+
+
+class FastPathController(OrderedController):
+    """Also records each load record the follower hands over with its state."""
+
+    fast: list[tuple[TopicName, int]]
+
+    def note_load(self, state: TopicState, segment: int) -> None:
+        self.fast.append((state.name, segment))
+        super().note_load(state, segment)
+
+
+async def test_a_standby_remembers_a_hot_record_it_followed_on_the_fast_path(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A standby gates a followed load record given its state (``note_load``, no lookup
+    by name); a record over a split threshold must still make its topic the first a
+    new leader evaluates, and a warm one must not."""
+    async with open_harness(
+        etcd_server.endpoint, etcd_prefix, controller_class=FastPathController
+    ) as h:
+        controller = h.controller
+        assert isinstance(controller, FastPathController)
+        controller.order, controller.fast = [], []
+        controller.revoke(None)
+        await populate(h.store, h.keys, topic_names(300))
+        warm = topic_names(1)[0]
+        await h.add_topic(segments=1)  # the last topic in the view's order
+        await h.put_load(0, 6_000.0)  # applied by the full path: the fast path learns the key
+        await h.put_load(0, 6_000.0, topic=warm)
+
+        def loaded(topic: TopicName) -> bool:  # populate's record for ``warm`` came first
+            state = controller.view.topics.get(topic)
+            record = state.loads.peek(0) if state is not None else None
+            return record is not None and record[0][0] == 6_000.0
+
+        await eventually(lambda: loaded(TOPIC) and loaded(warm))
+        fast = controller.fast
+        fast.clear()
+        controller._missed.clear()  # the topics just created; only records from here on
+        await h.put_load(0, 7_000.0, topic=warm)
+        await eventually(lambda: fast == [(warm, 0)])
+        assert not controller._missed  # warm: nothing a takeover must look at first
+        await h.put_load(0, HOT)
+        await eventually(lambda: fast[-1] == (TOPIC, 0))
+        assert list(controller._missed) == [TOPIC]
+        controller.order.clear()
+        controller.grant(None, h.leadership)
+        await eventually(lambda: h.requests("/split/") == 1)
+        assert controller.order[0] == TOPIC
 
 
 async def test_the_load_freezes_what_it_loaded_out_of_the_garbage_collectors_scans(

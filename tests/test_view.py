@@ -25,6 +25,7 @@ from controllerd.core.view import (
     LoadTable,
     MetadataView,
     Rejected,
+    TopicState,
     seeded_cooldown,
 )
 
@@ -465,16 +466,24 @@ def test_applying_watched_events_in_bulk_is_applying_them_one_by_one(
     steps: list[tuple[bool, bytes, str, bytes, int]], chunk: int
 ) -> None:
     """``apply_events`` (bytes keys, the load fast path) ends in the same view and says
-    the same outcomes as ``apply_put``/``apply_delete`` of each decoded key."""
+    the same outcomes as ``apply_put``/``apply_delete`` of each decoded key; with
+    ``note_load``, that one hears the fast path's load changes, with their live state."""
     events: list[tuple[bool, bytes, bytes, int]] = []
     revision = 10
     for put, head, tail, value, bump in steps:
         revision += bump  # 0: the same revision again, as a reload replays it
         events.append((put, head + tail.encode(), value if put else b"", revision))
-    bulk, single = MetadataView(KEYS), MetadataView(KEYS)
+    bulk, single, hooked = MetadataView(KEYS), MetadataView(KEYS), MetadataView(KEYS)
     said: list[object] = []
+    heard: list[object] = []
+
+    def note_load(state: TopicState, segment: int) -> None:
+        assert hooked.topics.get(state.name) is state and not state.dropped
+        heard.append(Change("load", state.name, True, segment))
+
     for start in range(0, len(events), chunk):
         bulk.apply_events(events[start : start + chunk], NOW + start, said.append)
+        hooked.apply_events(events[start : start + chunk], NOW + start, heard.append, note_load)
     expected: list[object] = []
     for i, (put, key, value, rev) in enumerate(events):
         text = key.decode(errors="replace")
@@ -483,7 +492,8 @@ def test_applying_watched_events_in_bulk_is_applying_them_one_by_one(
             single.apply_put(text, value, rev, now) if put else single.apply_delete(text)
         )
     assert said == expected
-    assert _view_state(bulk) == _view_state(single)
+    assert heard == expected
+    assert _view_state(bulk) == _view_state(single) == _view_state(hooked)
 
 
 def test_a_load_key_applied_before_takes_the_fast_path_until_its_topic_is_deleted() -> None:

@@ -604,7 +604,11 @@ class MetadataView:
         return outcome
 
     def apply_events(
-        self, events: Iterable[RawEvent], now_ms: int, note: Callable[[Outcome], None]
+        self,
+        events: Iterable[RawEvent],
+        now_ms: int,
+        note: Callable[[Outcome], None],
+        note_load: Callable[[TopicState, int], None] | None = None,
     ) -> None:
         """Apply watched events in order, handing each outcome to ``note``.
 
@@ -615,6 +619,10 @@ class MetadataView:
         must follow etcd nearly as fast as a bare watcher). Only a key the full
         path parsed as that topic's load record teaches the fast path, and a
         topic deleted since (its state ``dropped``) unteaches it.
+
+        ``note_load(state, segment)``, if given, hears of such a record instead of
+        ``note(Change("load", state.name, True, segment))``: the same news, with the
+        state it changed (a live one: never ``dropped``), so no lookup by name follows.
         """
         heads, tails = self._heads, self._tails
         for put, key, value, revision in events:
@@ -629,7 +637,10 @@ class MetadataView:
                         and state.loads.put_json(sid, value, revision, now_ms)
                     ):
                         state.version += 1
-                        note(Change("load", state.name, True, sid))
+                        if note_load is None:
+                            note(Change("load", state.name, True, sid))
+                        else:
+                            note_load(state, sid)
                         continue
                 note(self.apply_put(key.decode(errors="replace"), value, revision, now_ms))
             else:

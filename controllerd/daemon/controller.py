@@ -477,8 +477,26 @@ class Controller:
             return
         if change.kind == "load" and not self._load_matters(change):
             return
-        self._missed.pop(change.topic, None)
-        self._missed[change.topic] = self._clock.now_ms()
+        self._remember_missed(change.topic)
+
+    def note_load(self, state: TopicState, segment: int) -> None:
+        """:meth:`note` of ``Change("load", state.name, True, segment)``, for a record the
+        view wrote straight into the row of ``state`` (its follower fast path).
+
+        A replica that leads nothing (a standby, once loaded) gates it without looking
+        the topic up by name: that lookup missed the CPU's cache on nearly every record
+        (issue #12, a standby following a backlog). Anything else takes :meth:`note`.
+        """
+        if self._scopes or not self._running or self._whole is not None:
+            self.note(Change("load", state.name, True, segment))
+            return
+        self._last_applied = self._pacer.now()
+        if self._matters(state, segment):
+            self._remember_missed(state.name)
+
+    def _remember_missed(self, topic: TopicName) -> None:
+        self._missed.pop(topic, None)
+        self._missed[topic] = self._clock.now_ms()
         self._forget_missed()
 
     def _forget_missed(self) -> None:
@@ -494,9 +512,15 @@ class Controller:
         peak (history ``decide`` needs) when the policy keeps one. None: nothing to decide."""
         assert change.topic is not None and change.segment is not None
         state = self.view.topics.get(change.topic)
-        if state is None or state.layout is None:
+        return None if state is None else self._observe(state, change.segment)
+
+    def _observe(
+        self, state: TopicState, segment: int
+    ) -> tuple[TopicState, PolicySettings, Peek] | None:
+        """:meth:`_observe_load` of ``segment``'s new record, given its topic's state."""
+        if state.layout is None:
             return None
-        record = state.loads.peek(change.segment)
+        record = state.loads.peek(segment)
         if record is None:
             return None
         policy = self.resolved_policy(state)
@@ -504,7 +528,7 @@ class Controller:
             return None
         if policy.peak_window_seconds > 0:
             history = state.history if state.history is not None else TopicHistory()
-            history.observe(change.segment, Rates(*record[0]), self._clock.now_ms(), policy)
+            history.observe(segment, Rates(*record[0]), self._clock.now_ms(), policy)
             state.history = history
         return state, policy, record
 
@@ -517,15 +541,20 @@ class Controller:
         time are the ticker's and the timers' job. It reads the packed row
         (:meth:`LoadTable.peek`): building a sample cost more than the rest.
         """
-        observed = self._observe_load(change)
+        assert change.topic is not None and change.segment is not None
+        state = self.view.topics.get(change.topic)
+        return state is not None and self._matters(state, change.segment)
+
+    def _matters(self, state: TopicState, segment: int) -> bool:
+        """:meth:`_load_matters` of ``segment``'s new record, given its topic's state."""
+        observed = self._observe(state, segment)
         if observed is None:
             return False
-        state, policy, (rates, changed_ms, sampled_ms, held) = observed
-        assert change.segment is not None
+        policy, (rates, changed_ms, sampled_ms, held) = observed[1], observed[2]
         if _over(rates, policy.split_thresholds):
             return True
         cold = _under(rates, policy.merge_thresholds)
-        persisted = state.cold_since.get(change.segment)
+        persisted = state.cold_since.get(segment)
         if cold != (held is not None or persisted is not None):
             return True  # a cold/warm transition
         # cold all along, but the record changed: the window must now be persisted

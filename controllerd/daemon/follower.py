@@ -40,7 +40,7 @@ from controllerd.adapters.store import (
     WatchCompacted,
 )
 from controllerd.core.model import TopicName
-from controllerd.core.view import Change, MetadataView, Outcome
+from controllerd.core.view import Change, MetadataView, Outcome, TopicState
 from controllerd.daemon.clock import Clock
 from controllerd.daemon.controller import Controller
 
@@ -81,11 +81,14 @@ def feeding(store: Store, controller: Controller, clock: Clock) -> Follower:
         clock,
         whole_prefix=keys.topics_prefix,
         on_whole=controller.whole,
+        on_load=controller.note_load,
     )
 
 
 class Follower:
-    """Loads and follows ``prefixes`` into ``view``; calls ``on_outcome`` for each value.
+    """Loads and follows ``prefixes`` into ``view``; calls ``on_outcome`` for each value
+    (``on_load``, if given, for a followed load record the view's fast path applied:
+    :meth:`MetadataView.apply_events`).
 
     ``synced`` is set once every prefix is loaded (the view then describes one
     consistent revision per prefix and the watches run). Prefixes load in the
@@ -103,6 +106,7 @@ class Follower:
         *,
         whole_prefix: str | None = None,
         on_whole: Callable[[Sequence[TopicName] | None], None] | None = None,
+        on_load: Callable[[TopicState, int], None] | None = None,
     ) -> None:
         self._store = store
         self._view = view
@@ -111,6 +115,7 @@ class Follower:
         self._clock = clock
         self._whole_prefix = whole_prefix
         self._on_whole = on_whole
+        self._on_load = on_load
         self.synced = anyio.Event()
         self.stats = FollowerStats()
 
@@ -237,13 +242,13 @@ class Follower:
             self._on_whole(whole)
 
     async def _follow(self, prefix: str, revision: int) -> None:
-        view, note = self._view, self._on_outcome
+        view, note, note_load = self._view, self._on_outcome, self._on_load
         while True:
             try:
                 async for batch in self._store.watch_prefix_raw(prefix, revision):
                     now = self._clock.now_ms()
                     for start in range(0, len(batch), SLICE):
-                        view.apply_events(batch[start : start + SLICE], now, note)
+                        view.apply_events(batch[start : start + SLICE], now, note, note_load)
                         if len(batch) > SLICE:
                             await anyio.lowlevel.checkpoint()
                     revision = batch[-1][3] + 1
