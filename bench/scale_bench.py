@@ -597,6 +597,14 @@ async def keep_up(bench: Bench, n: int, out: dict[str, Any]) -> None:
     )
 
 
+def burst_puts(bench: Bench, n: int, events: int, *, seed: int) -> Iterator[Put]:
+    """``events`` balanced load records, each on a random segment of one of N topics."""
+    topics = topic_names(n, tenant=TENANT, namespaces=NAMESPACES)
+    rng = random.Random(seed)
+    for _ in range(events):
+        yield Put(bench.keys.load(rng.choice(topics), rng.randrange(16)), balanced_record(rng))
+
+
 async def live_burst(bench: Bench, n: int, out: dict[str, Any]) -> None:
     """``--raw-events`` load puts written as fast as etcd takes them, followed live by
     both replicas and by a plain watcher (``_raw_watch``, a process of its own) at
@@ -604,12 +612,7 @@ async def live_burst(bench: Bench, n: int, out: dict[str, Any]) -> None:
     storm. Events/s of each: the burst over the time from its first write to when
     that follower had seen its last."""
     events = bench.args.raw_events
-    topics = topic_names(n, tenant=TENANT, namespaces=NAMESPACES)
-    rng = random.Random(7)
-    puts = (
-        Put(bench.keys.load(rng.choice(topics), rng.randrange(16)), balanced_record(rng))
-        for _ in range(events)
-    )
+    puts = burst_puts(bench, n, events, seed=7)
     start = await bench.revision()
     watcher = run_role(
         bench,
@@ -664,13 +667,7 @@ async def burst(bench: Bench, n: int, out: dict[str, Any]) -> None:
     """``--raw-events`` load puts written as fast as etcd takes them (as for the raw
     watcher) with the standby stopped: the leader follows live, the standby then
     works off the whole backlog; events/s of each."""
-    events = bench.args.raw_events
-    topics = topic_names(n, tenant=TENANT, namespaces=NAMESPACES)
-    rng = random.Random(5)
-    puts = (
-        Put(bench.keys.load(rng.choice(topics), rng.randrange(16)), balanced_record(rng))
-        for _ in range(events)
-    )
+    puts = burst_puts(bench, n, bench.args.raw_events, seed=5)
     standby = bench.replicas["r1"]
     profiler = Profiler(bench.profiler.directory)  # the leader's runs meanwhile
     standby.signal(signal.SIGSTOP)
