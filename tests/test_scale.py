@@ -315,8 +315,9 @@ async def test_a_full_tick_leaves_the_loop_to_the_watch_and_runs_at_full_speed_w
     task counts its turns of the loop during a pass of 2 ms evaluations, while a
     thread writes load records: about one turn per 16 evaluations before the pacer,
     over a hundred per evaluation with it on a quiet host, and 9.6 on a CI host
-    busy with the other worker's tests. The bound asked is 3 per evaluation, still
-    50 times what the unpaced pass left.
+    busy with the other worker's tests. A pacer that never waits leaves about 2 per
+    evaluation (241 here, with its wait taken out), so the bound asked is 5; the
+    metric of time waited must grow as well.
     """
     topics = [TopicName("acme", "paced", f"t{i}") for i in range(120)]
     async with open_harness(
@@ -346,7 +347,7 @@ async def test_a_full_tick_leaves_the_loop_to_the_watch_and_runs_at_full_speed_w
 
             turns = await full_pass_turns(h, tick, len(topics))
         print(f"{len(topics)} evaluations of 2 ms, {writer.puts} puts; other turns: {turns}")
-        assert turns >= 3 * len(topics)
+        assert turns >= 5 * len(topics)
         assert h.count(paced) > 0
 
 
