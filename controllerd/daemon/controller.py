@@ -507,16 +507,14 @@ class Controller:
                 return
             del self._missed[oldest]
 
-    def _observe_load(self, change: Change) -> tuple[TopicState, PolicySettings, Peek] | None:
-        """The topic, policy and record of a new load change, after feeding the window's
+    def _observe_load(self, change: Change) -> tuple[PolicySettings, Peek] | None:
+        """The policy and record of a new load change, after feeding the window's
         peak (history ``decide`` needs) when the policy keeps one. None: nothing to decide."""
         assert change.topic is not None and change.segment is not None
         state = self.view.topics.get(change.topic)
         return None if state is None else self._observe(state, change.segment)
 
-    def _observe(
-        self, state: TopicState, segment: int
-    ) -> tuple[TopicState, PolicySettings, Peek] | None:
+    def _observe(self, state: TopicState, segment: int) -> tuple[PolicySettings, Peek] | None:
         """:meth:`_observe_load` of ``segment``'s new record, given its topic's state."""
         if state.layout is None:
             return None
@@ -530,7 +528,7 @@ class Controller:
             history = state.history if state.history is not None else TopicHistory()
             history.observe(segment, Rates(*record[0]), self._clock.now_ms(), policy)
             state.history = history
-        return state, policy, record
+        return policy, record
 
     def _load_matters(self, change: Change) -> bool:
         """Whether one new load record can change a decision or our cold bookkeeping.
@@ -550,7 +548,7 @@ class Controller:
         observed = self._observe(state, segment)
         if observed is None:
             return False
-        policy, (rates, changed_ms, sampled_ms, held) = observed[1], observed[2]
+        policy, (rates, changed_ms, sampled_ms, held) = observed
         if _over(rates, policy.split_thresholds):
             return True
         cold = _under(rates, policy.merge_thresholds)
