@@ -86,7 +86,7 @@ from controllerd.adapters.broker import BrokerClient
 from controllerd.adapters.store import Put, Store, open_store
 from controllerd.core.layout import initial_layout
 from controllerd.core.model import TopicName, layout_to_json
-from controllerd.core.view import Keys, MetadataView, Outcome
+from controllerd.core.view import Keys, MetadataView, Outcome, TopicState
 from controllerd.daemon.clock import ManualClock
 from controllerd.daemon.controller import Controller
 from controllerd.daemon.follower import SLICE
@@ -898,7 +898,10 @@ def view_apply_costs(n: int, segments: int, events: int = 100_000) -> dict[str, 
     standby = standby_gate(view)
     gc.freeze()  # as the follower does after its load: collections skip the view
 
-    def per_event(note: Callable[[Outcome], None], note_load: Any = None) -> float:
+    def per_event(
+        note: Callable[[Outcome], None],
+        note_load: Callable[[TopicState, int], None] | None = None,
+    ) -> float:
         started = time.process_time()
         for start in range(0, events, SLICE):  # as the follower hands them over
             view.apply_events(updates[start : start + SLICE], 0, note, note_load)

@@ -397,12 +397,6 @@ class Controller:
     def note(self, outcome: Outcome) -> None:
         """One applied etcd value (from the follower): count rejections, trigger work."""
         self._last_applied = self._pacer.now()
-        if type(outcome) is Change and outcome.kind == "load" and not self._scopes:
-            # Most of what a standby follows (it leads nothing): only the gate of what a
-            # takeover must look at first; the general path below ends there too.
-            if outcome.trigger and self._running:
-                self._note_missed(outcome)
-            return
         if outcome is None:
             return
         if isinstance(outcome, Rejected):
