@@ -10,10 +10,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controllerd.core.model import HASH_SPACE
+from controllerd.pipeline import simulate as simulate_module
 from controllerd.pipeline.load import Skew, Trace, slice_bounds, source_for
 from controllerd.pipeline.simulate import SimResult, Strategy, simulate
 from controllerd.pipeline.traces import TraceOptions, discover
-from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, controllerd, parse_variants, pip483
+from controllerd.pipeline.variants import (
+    REFERENCE_THRESHOLDS,
+    controllerd,
+    parse_variants,
+    pip483,
+    static,
+)
 from tests.support.shared import traces_dir
 
 T0: Final = 1_700_000_000_000
@@ -87,6 +94,28 @@ def test_event_driven_replay_equals_step_by_step_on_the_shared_traces(
     assert max(visited) < 0.5  # and the replay skipped most steps
 
 
+def test_the_idle_path_makes_most_visits_and_changes_no_metric(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Most visits of a bursty trace are an idle policy's: the fast path makes them (a
+    replay without it would still pass the tests above, only slower)."""
+    made = []
+    run = simulate_module._Idle.run
+
+    def counting(self: Any, *args: Any) -> tuple[int, int, int, int]:
+        result = run(self, *args)
+        made.append(result[3])
+        return result
+
+    monkeypatch.setattr(simulate_module._Idle, "run", counting)
+    trace = shared("nab/Twitter_volume_IBM.csv", 24 * 10)
+    for strategy in (static(4), static(8), pip483(), controllerd()):
+        made.clear()
+        fast, slow = both(trace, strategy, Skew())
+        assert_identical(fast, slow)
+        assert sum(made) > 0.5 * fast.visited_steps
+
+
 levels = st.lists(
     st.tuples(st.one_of(st.floats(0, 0.15), st.floats(0, 6)), st.integers(1, 40)),
     min_size=1,
@@ -97,7 +126,7 @@ levels = st.lists(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     levels=levels,
-    preset=st.sampled_from(["pip483", "controllerd", "on"]),
+    preset=st.sampled_from(["pip483", "controllerd", "on", "buckets", "static-4"]),
     skew=st.sampled_from(["uniform", "zipf:1.2:50", "hotkey:0.5", "hotspot:0.6:1:512"]),
     changes=st.fixed_dictionaries(
         {
@@ -105,6 +134,7 @@ levels = st.lists(
             "merge_cooldown_seconds": st.sampled_from([0.0, 60.0, 300.0]),
             "split_cooldown_seconds": st.sampled_from([0.0, 30.0, 60.0, 150.0]),
             "load_ttl_seconds": st.sampled_from([0.0, 120.0, 900.0]),
+            "min_segments": st.sampled_from([1, 2]),
         }
     ),
     heartbeat=st.sampled_from([0.0, 60.0, 300.0, 1000.0]),
@@ -118,7 +148,13 @@ def test_event_driven_replay_equals_step_by_step_on_random_load(
     heartbeat: float,
     retention: float,
 ) -> None:
-    base = {"pip483": pip483(), "controllerd": controllerd(), "on": EVERYTHING_ON}[preset]
+    base = {
+        "pip483": pip483(),
+        "controllerd": controllerd(),
+        "on": EVERYTHING_ON,
+        "buckets": dataclasses.replace(controllerd(), hash_buckets=16),
+        "static-4": static(4),
+    }[preset]
     strategy = dataclasses.replace(
         base,
         policy=dataclasses.replace(base.policy, **changes),

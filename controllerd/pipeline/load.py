@@ -395,6 +395,13 @@ class SeriesLoad:
     def change_times(self) -> Sequence[int]:
         return self._times
 
+    def changes(self) -> tuple[list[RateTuple], list[Spread]]:
+        """The totals and the spread from each change time on: what :meth:`snapshot` of
+        that index holds, for a caller that computes a range's load itself (as
+        ``(t0 * s, t1 * s, t2 * s, t3 * s)`` with ``s = spread.share(start, end)``,
+        bit for bit :meth:`Snapshot.loads`)."""
+        return [self._totals[r] for r in self._rows], self._spreads
+
     def snapshot(self, index: int) -> Snapshot:
         return _SeriesSnapshot(self._totals[self._rows[index]], self._spreads[index], self._memo)
 

@@ -78,7 +78,14 @@ from controllerd.core.policy import (
     next_decision_ms,
     stale_at,
 )
-from controllerd.pipeline.load import LoadSource, Ranges, RateTuple
+from controllerd.pipeline.load import (
+    ZERO,
+    LoadSource,
+    Ranges,
+    RateTuple,
+    SeriesLoad,
+    UniformSpread,
+)
 
 FLIPFLOP_WINDOW_MS: Final = 30 * 60 * 1000
 """A merge undone by a split of the same range (or the reverse) within this is a flip-flop."""
@@ -308,6 +315,405 @@ class _Runs:
             self.measures.append(measure)
 
 
+class _Idle:
+    """The replay's fast path for the visits of an idle policy (every visit's fourth).
+
+    Most visited steps only measure and let reporters write: the layout holds,
+    and the records they write neither go over a split threshold nor make two
+    adjacent segments cold, so :func:`may_act` stays False and ``decide`` is
+    not asked. This walks such visits with plain locals instead of the general
+    loop, and stops *before* the first visit that could be anything else (a
+    write that makes ``may_act`` True, a GC, the end), which the general loop
+    then makes from scratch. Identical segments (same share of every spread,
+    same record) are walked once when nothing per segment is tracked, which is
+    what a static layout of N equal ranges is.
+
+    Only for series sources, and only where a record cannot go stale at a
+    visit (lazy heartbeats, or no heartbeats and no TTL) and no peak window is
+    kept: then a visit's writes need nothing but the record itself. Every
+    metric stays bit-identical to the general loop (tests compare both with
+    the step-by-step replay); the per-visit sums add the segments' terms in the
+    same order.
+    """
+
+    def __init__(
+        self,
+        source: SeriesLoad,
+        gate: Gate,
+        policy: PolicySettings,
+        reference: RateTuple,
+        *,
+        step_ms: int,
+        heartbeat_ms: int,
+        hb_ms: float,
+        lazy_heartbeats: bool,
+        track_cold: bool,
+        n_buckets: int,
+    ) -> None:
+        self.source = source
+        self.times = source.change_times()
+        self.totals, self.spreads = source.changes()
+        self.uniform = all(isinstance(sp, UniformSpread) for sp in self.spreads)
+        self.gate = gate
+        self.policy = policy
+        self.reference = reference
+        self.step_ms = step_ms
+        self.heartbeat_ms = heartbeat_ms
+        self.hb_ms = hb_ms
+        self.lazy = lazy_heartbeats
+        self.track_cold = track_cold
+        self.n_buckets = n_buckets
+        self.split = policy.split_thresholds.as_tuple()
+        self.merge = policy.merge_thresholds.as_tuple()
+        self._topic: tuple[int, float] = (-1, 0.0)
+
+    def run(
+        self,
+        t: int,
+        change: int,
+        last: int,
+        segs: list[tuple[int, int, int, _Reporter]],
+        layout: Layout,
+        cold_since: dict[int, int],
+        sealed_cold: dict[int, int],
+        sealed: deque[tuple[int, int]],
+        retention_ms: float,
+        stale_view: set[int],
+        runs: _Runs,
+    ) -> tuple[int, int, int, int]:
+        """Make the idle visits from ``t`` on; returns ``(t, change, writes, visits)`` where
+        ``t`` is the first visit left to the general loop (or past ``last``)."""
+        for _, _, _, rep in segs:
+            if rep.written is None or rep.written_at is None:
+                return t, change, 0, 0
+        policy, enabled = self.policy, self.policy.enabled
+        track_cold = self.track_cold
+        # groups of segments that evolve identically: key -> index
+        keys: dict[tuple[object, ...], int] = {}
+        group_of: list[int] = []
+        members: list[list[int]] = []
+        for i, (sid, a, b, rep) in enumerate(segs):
+            where: object = (b - a) if self.uniform else (a, b)
+            key = (sid,) if track_cold else (where, rep.written, rep.written_at, rep.changed_at)
+            g = keys.setdefault(key, len(keys))
+            if g == len(members):
+                members.append([])
+            members[g].append(i)
+            group_of.append(g)
+        ng = len(members)
+        if ng == 1:
+            return self._one(
+                t,
+                change,
+                last,
+                segs,
+                layout,
+                cold_since,
+                sealed_cold,
+                sealed,
+                retention_ms,
+                stale_view,
+                runs,
+            )
+        first = [segs[m[0]] for m in members]
+        written: list[RateTuple] = [rep.written for _, _, _, rep in first]  # type: ignore[misc]
+        written_at: list[int] = [rep.written_at for _, _, _, rep in first]  # type: ignore[misc]
+        changed_at = [rep.changed_at for _, _, _, rep in first]
+        count = [len(m) for m in members]
+        touched = [False] * ng
+        wrote = [-1] * ng  # change index of the group's last write in this run
+        merge_lo, merge_hi = self.merge, self.split
+        m0, m1, m2, m3 = merge_lo
+        s0, s1, s2, s3 = merge_hi
+        r0, r1, r2, r3 = self.reference
+        cold = [w[0] < m0 and w[1] < m1 and w[2] < m2 and w[3] < m3 for w in written]
+        merging = len(segs) > policy.min_segments
+        quiet = self.gate.quiet
+        times, totals, spreads = self.times, self.totals, self.spreads
+        n_times = len(times)
+        step_ms, heartbeat_ms, hb_ms, lazy = self.step_ms, self.heartbeat_ms, self.hb_ms, self.lazy
+        n = len(segs)
+        shares: list[float] = []
+        shares_of: object = None
+        writes = visits = 0
+        new_loads: list[RateTuple] = [ZERO] * ng
+        scores = [0.0] * ng
+        new_at = [0] * ng
+        kinds = [0] * ng  # 0: nothing, 1: a heartbeat, 2: a new record
+        dues = [0] * ng
+        end = last + step_ms
+        while t <= last:
+            if retention_ms >= 0 and sealed and t - sealed[0][0] >= retention_ms:
+                break  # a GC visit changes the layout
+            c = change
+            while c + 1 < n_times and times[c + 1] <= t:
+                c += 1
+            spread = spreads[c]
+            if spread is not shares_of:
+                shares_of = spread
+                shares = [spread.share(segs[m[0]][1], segs[m[0]][2]) for m in members]
+            t0, t1, t2, t3 = totals[c]
+            stop = became_cold = False
+            for g in range(ng):
+                sh = shares[g]
+                c0, c1, c2, c3 = t0 * sh, t1 * sh, t2 * sh, t3 * sh
+                new_loads[g] = (c0, c1, c2, c3)
+                score = c0 / r0
+                if (x := c1 / r1) > score:
+                    score = x
+                if (x := c2 / r2) > score:
+                    score = x
+                if (x := c3 / r3) > score:
+                    score = x
+                scores[g] = score
+                w = written_at[g]
+                due = 0
+                if lazy:
+                    due = (t - 1 - w) // heartbeat_ms
+                    if due > 0:
+                        w += due * heartbeat_ms
+                    else:
+                        due = 0
+                dues[g] = due
+                if quiet(written[g], c0, c1, c2, c3):
+                    if heartbeat_ms and t - w >= hb_ms:
+                        kinds[g], new_at[g] = 1, t
+                    else:
+                        kinds[g], new_at[g] = 0, w
+                    continue
+                kinds[g], new_at[g] = 2, t
+                if enabled:
+                    if c0 > s0 or c1 > s1 or c2 > s2 or c3 > s3:
+                        stop = True  # a hot record: may_act
+                        break
+                    if c0 < m0 and c1 < m1 and c2 < m2 and c3 < m3 and not cold[g]:
+                        became_cold = True
+            if stop:
+                break
+            if became_cold and merging:
+                now_cold = [
+                    (
+                        kinds[g] == 2
+                        and all(v < m for v, m in zip(new_loads[g], merge_lo, strict=True))
+                    )
+                    or (kinds[g] != 2 and cold[g])
+                    for g in range(ng)
+                ]
+                if any(now_cold[group_of[i]] and now_cold[group_of[i + 1]] for i in range(n - 1)):
+                    break  # two adjacent cold records: may_act
+            # commit the visit
+            change = c
+            for g in range(ng):
+                kind, due = kinds[g], dues[g]
+                written_at[g] = new_at[g]
+                if due or kind:
+                    writes += (due + (kind > 0)) * count[g]
+                    touched[g] = True
+                if kind == 2:
+                    loads = written[g] = new_loads[g]
+                    changed_at[g] = t
+                    wrote[g] = c
+                    if enabled:
+                        is_cold = (
+                            loads[0] < m0 and loads[1] < m1 and loads[2] < m2 and loads[3] < m3
+                        )
+                        cold[g] = is_cold
+                        if track_cold:
+                            sid = segs[members[g][0]][0]
+                            if is_cold and sid not in cold_since:
+                                inherited = inherited_cold_since(layout, sid, sealed_cold)
+                                cold_since[sid] = inherited if inherited is not None else t
+                            elif not is_cold and sid in cold_since:
+                                del cold_since[sid]
+            above = 0
+            step_excess = step_msgs = hottest = 0.0
+            for i in range(n):
+                g = group_of[i]
+                score = scores[g]
+                if score > 1.0:
+                    above += 1
+                    step_excess += score - 1.0
+                    if (c0 := new_loads[g][0]) > r0:
+                        step_msgs += c0 - r0
+                if score > hottest:  # noqa: PLR1730 - not max(): per segment per visit
+                    hottest = score
+            if self._topic[0] != c:
+                self._topic = (c, max(t0 / r0, t1 / r1, t2 / r2, t3 / r3))
+            visits += 1
+            nxt = end
+            if c + 1 < n_times:
+                nxt = min(nxt, times[c + 1])
+            if retention_ms >= 0 and sealed:
+                nxt = min(nxt, sealed[0][0] + math.ceil(retention_ms))
+            following = t + max(1, -(-(nxt - t) // step_ms)) * step_ms
+            runs.add(
+                t,
+                (min(following, end) - t) // step_ms,
+                (n, above, step_excess, step_msgs, hottest, self._topic[1]),
+            )
+            t = following
+        rates: Rates | None = None
+        for g in range(ng):
+            if enabled and wrote[g] >= 0:
+                rates = Rates(*written[g])
+            snap = (
+                self.source.snapshot(wrote[g])
+                if self.n_buckets and enabled and wrote[g] >= 0
+                else None
+            )
+            for i in members[g]:
+                sid, a, b, rep = segs[i]
+                rep.written, rep.written_at, rep.changed_at = (
+                    written[g],
+                    written_at[g],
+                    changed_at[g],
+                )
+                if touched[g]:
+                    stale_view.add(sid)
+                    if track_cold:
+                        rep.stale = False
+                if enabled and wrote[g] >= 0:
+                    rep.rates = rates
+                    if snap is not None:
+                        rep.buckets = snap.buckets(a, b, self.n_buckets)
+        return t, change, writes, visits
+
+    def _one(
+        self,
+        t: int,
+        change: int,
+        last: int,
+        segs: list[tuple[int, int, int, _Reporter]],
+        layout: Layout,
+        cold_since: dict[int, int],
+        sealed_cold: dict[int, int],
+        sealed: deque[tuple[int, int]],
+        retention_ms: float,
+        stale_view: set[int],
+        runs: _Runs,
+    ) -> tuple[int, int, int, int]:
+        """:meth:`run` when every segment evolves alike (one segment, or N equal static ones)."""
+        policy, enabled, track_cold = self.policy, self.policy.enabled, self.track_cold
+        n = len(segs)
+        sid0, a0, b0, rep0 = segs[0]
+        written: RateTuple = rep0.written  # type: ignore[assignment]
+        written_at: int = rep0.written_at  # type: ignore[assignment]
+        changed_at = rep0.changed_at
+        touched = False
+        wrote = -1
+        m0, m1, m2, m3 = self.merge
+        s0, s1, s2, s3 = self.split
+        r0, r1, r2, r3 = self.reference
+        cold = written[0] < m0 and written[1] < m1 and written[2] < m2 and written[3] < m3
+        # n equal records that turn cold are n adjacent cold records
+        cold_stops = enabled and n >= 2 and n > policy.min_segments
+        quiet = self.gate.quiet
+        times, totals, spreads = self.times, self.totals, self.spreads
+        n_times = len(times)
+        step_ms, heartbeat_ms, hb_ms, lazy = self.step_ms, self.heartbeat_ms, self.hb_ms, self.lazy
+        gc_at = sealed[0][0] if retention_ms >= 0 and sealed else None
+        gc_due = gc_at + math.ceil(retention_ms) if gc_at is not None else None
+        run_t, run_count, run_measures = runs.t, runs.count, runs.measures
+        share = 0.0
+        shares_of: object = None
+        writes = visits = 0
+        end = last + step_ms
+        topic_c, topic = -1, 0.0
+        while t <= last:
+            if gc_at is not None and t - gc_at >= retention_ms:
+                break  # a GC visit changes the layout
+            c = change
+            while c + 1 < n_times and times[c + 1] <= t:
+                c += 1
+            spread = spreads[c]
+            if spread is not shares_of:
+                shares_of, share = spread, spread.share(a0, b0)
+            t0, t1, t2, t3 = totals[c]
+            c0, c1, c2, c3 = t0 * share, t1 * share, t2 * share, t3 * share
+            w = written_at
+            due = 0
+            if lazy:
+                due = (t - 1 - w) // heartbeat_ms
+                if due > 0:
+                    w += due * heartbeat_ms
+                else:
+                    due = 0
+            if quiet(written, c0, c1, c2, c3):
+                if heartbeat_ms and t - w >= hb_ms:
+                    w = t
+                    writes += (due + 1) * n
+                    touched = True
+                elif due:
+                    writes += due * n
+                    touched = True
+                written_at = w
+            else:
+                now_cold = c0 < m0 and c1 < m1 and c2 < m2 and c3 < m3
+                if enabled and (
+                    c0 > s0 or c1 > s1 or c2 > s2 or c3 > s3 or (now_cold and cold_stops)
+                ):
+                    break  # a hot record, or adjacent cold ones: may_act
+                writes += (due + 1) * n
+                touched = True
+                written, written_at, changed_at, wrote = (c0, c1, c2, c3), t, t, c
+                if enabled and now_cold is not cold:
+                    cold = now_cold
+                    if track_cold:  # then n == 1
+                        if cold and sid0 not in cold_since:
+                            inherited = inherited_cold_since(layout, sid0, sealed_cold)
+                            cold_since[sid0] = inherited if inherited is not None else t
+                        elif not cold and sid0 in cold_since:
+                            del cold_since[sid0]
+            change = c
+            score = c0 / r0
+            if (x := c1 / r1) > score:
+                score = x
+            if (x := c2 / r2) > score:
+                score = x
+            if (x := c3 / r3) > score:
+                score = x
+            if score > 1.0:
+                above = n
+                step_excess = step_msgs = 0.0
+                for _ in range(n):  # the same sum, in the same order, as segment by segment
+                    step_excess += score - 1.0
+                    if c0 > r0:
+                        step_msgs += c0 - r0
+                hottest = score
+            else:
+                above, step_excess, step_msgs = 0, 0.0, 0.0
+                hottest = score if score > 0.0 else 0.0
+            if topic_c != c:
+                topic_c, topic = c, max(t0 / r0, t1 / r1, t2 / r2, t3 / r3)
+            visits += 1
+            nxt = times[c + 1] if c + 1 < n_times and times[c + 1] < end else end
+            if gc_due is not None and gc_due < nxt:
+                nxt = gc_due
+            following = t + max(1, -(-(nxt - t) // step_ms)) * step_ms
+            steps = ((following if following < end else end) - t) // step_ms
+            measure = (n, above, step_excess, step_msgs, hottest, topic)
+            if run_measures and run_measures[-1] == measure:
+                run_count[-1] += steps
+            else:
+                run_t.append(t)
+                run_count.append(steps)
+                run_measures.append(measure)
+            t = following
+        rates = Rates(*written) if enabled and wrote >= 0 else None
+        snap = self.source.snapshot(wrote) if self.n_buckets and rates is not None else None
+        for sid, a, b, rep in segs:
+            rep.written, rep.written_at, rep.changed_at = written, written_at, changed_at
+            if touched:
+                stale_view.add(sid)
+                if track_cold:
+                    rep.stale = False
+            if rates is not None:
+                rep.rates = rates
+                if snap is not None:
+                    rep.buckets = snap.buckets(a, b, self.n_buckets)
+        return t, change, writes, visits
+
+
 def simulate(
     source: LoadSource,
     strategy: Strategy,
@@ -386,8 +792,49 @@ def simulate(
     segs: list[tuple[int, int, int, _Reporter]] = []
     ranges: Ranges = ()
     wake: int | None = None  # next_decision_ms after that NoAction
+    idle = False  # may_act said False on the records as they are; no decide or GC since
+    fast = (
+        _Idle(
+            source,
+            gate,
+            policy,
+            (r0, r1, r2, r3),
+            step_ms=step_ms,
+            heartbeat_ms=heartbeat_ms,
+            hb_ms=hb_ms,
+            lazy_heartbeats=lazy_heartbeats,
+            track_cold=track_cold,
+            n_buckets=n_buckets,
+        )
+        if not step_by_step
+        and isinstance(source, SeriesLoad)
+        and (lazy_heartbeats or (heartbeat_ms == 0 and ttl_ms <= 0))
+        and not (enabled and policy.peak_window_seconds > 0)
+        else None
+    )
 
     while t <= last:
+        if idle and fast is not None and layout is seg_layout:
+            t, moved, added, made = fast.run(
+                t,
+                change,
+                last,
+                segs,
+                layout,
+                cold_since,
+                sealed_cold,
+                sealed,
+                retention_ms,
+                stale_view,
+                runs,
+            )
+            writes += added
+            visited += made
+            if moved != change:
+                change = moved
+                snap = source.snapshot(change)
+            if t > last:
+                break
         visited += 1
         if change + 1 < len(times) and times[change + 1] <= t:
             change = bisect.bisect_right(times, t, lo=change) - 1
@@ -510,8 +957,9 @@ def simulate(
                     )
             stale_view.clear()
         if not step_by_step and dirty and not may_act(layout, view, {}, policy):
-            dirty, wake = False, None  # nothing can happen until a record changes
+            dirty, wake, idle = False, None, True  # nothing can happen until a record changes
         if step_by_step or dirty or (wake is not None and t >= wake):
+            idle = False
             for _ in range(MAX_OPS_PER_STEP):
                 seen = (
                     {sid: history.annotate(sid, s, t, policy) for sid, s in view.items()}
@@ -573,7 +1021,7 @@ def simulate(
             while sealed and t - sealed[0][0] >= retention_ms:
                 due_ids.append(sealed.popleft()[1])
             layout = prune(layout, due_ids)
-            dirty = True  # merge depths may have changed
+            dirty, idle = True, False  # merge depths may have changed
             if check_layout:
                 check(layout)
 
