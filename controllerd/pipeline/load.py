@@ -364,8 +364,12 @@ class SeriesLoad:
         self._rows: list[int] = []
         self._spreads: list[Spread] = []
         self._memo = _ShareMemo()
+        self.uniform = all(isinstance(s, UniformSpread) for s in spreads)
         row = move = 0  # the last row and move at or before t (both lists are sorted)
         n_rows, n_moves = len(t_ms), len(spread_times)
+        if n_moves == 1 and spread_times[0] <= t_ms[0]:
+            self._rows_of(spreads[0])
+            return
         for t in sorted({*t_ms, *spread_times}):
             if not t_ms[0] <= t <= t_ms[-1]:
                 continue
@@ -383,6 +387,22 @@ class SeriesLoad:
             self._times.append(t)
             self._rows.append(row)
             self._spreads.append(spread_now)
+
+    def _rows_of(self, spread: Spread) -> None:
+        """The changes when one spread holds throughout: one per row time whose last row
+        differs from the last kept (as the general loop finds them, in one pass)."""
+        t_ms, totals = self._t, self._totals
+        times, rows = self._times, self._rows
+        kept: RateTuple | None = None
+        last = len(t_ms) - 1
+        for i, t in enumerate(t_ms):
+            if i < last and t_ms[i + 1] == t:
+                continue  # a later row at the same time wins
+            if (here := totals[i]) != kept:
+                kept = here
+                times.append(t)
+                rows.append(i)
+        self._spreads = [spread] * len(times)
 
     @property
     def start_ms(self) -> int:

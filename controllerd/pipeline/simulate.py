@@ -84,7 +84,6 @@ from controllerd.pipeline.load import (
     Ranges,
     RateTuple,
     SeriesLoad,
-    UniformSpread,
 )
 
 FLIPFLOP_WINDOW_MS: Final = 30 * 60 * 1000
@@ -353,7 +352,7 @@ class _Idle:
         self.source = source
         self.times = source.change_times()
         self.totals, self.spreads = source.changes()
-        self.uniform = all(isinstance(sp, UniformSpread) for sp in self.spreads)
+        self.uniform = source.uniform
         self.gate = gate
         self.policy = policy
         self.reference = reference
@@ -1186,12 +1185,25 @@ def _downsample_runs(runs: _Runs, step_ms: int, points: int) -> Timeline:
     seg_steps: list[int] = []
     steps: list[int] = []
     index = 0  # steps before the current run
+    bucket_end = 0  # the step at which the open bucket ends
     for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
+        if index < bucket_end and index + count <= bucket_end:  # inside the open bucket
+            if m[5] > load[-1]:  # noqa: PLR1730 - not max(): this runs per run
+                load[-1] = m[5]
+            if m[4] > hot[-1]:  # noqa: PLR1730
+                hot[-1] = m[4]
+            if m[0] > segs[-1]:  # noqa: PLR1730
+                segs[-1] = m[0]
+            seg_steps[-1] += m[0] * count
+            steps[-1] += count
+            index += count
+            continue
         offset = 0
         while offset < count:
             position = index + offset
             take = min(count - offset, size - position % size)
             if position % size == 0:  # a bucket starts here
+                bucket_end = position + size
                 ts.append(t + offset * step_ms)
                 load.append(m[5])
                 hot.append(m[4])
@@ -1229,13 +1241,18 @@ def _centre(runs: _Runs, step_ms: int) -> int:
     window: deque[tuple[int, float]] = deque()  # (end of run, load), loads increasing
     best_rise, best_t = 0.0, -1
     for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
-        while window and window[0][0] <= t - RISE_MS:
-            window.popleft()
-        if window and window[0][1] < RISE_FROM and m[5] - window[0][1] > best_rise:
-            best_rise, best_t = m[5] - window[0][1], t
-        while window and window[-1][1] >= m[5]:
-            window.pop()
-        window.append((t + count * step_ms, m[5]))
+        load = m[5]
+        if window:
+            since = t - RISE_MS
+            while window and window[0][0] <= since:
+                window.popleft()
+            if window:
+                low = window[0][1]
+                if low < RISE_FROM and load - low > best_rise:
+                    best_rise, best_t = load - low, t
+                while window and window[-1][1] >= load:
+                    window.pop()
+        window.append((t + count * step_ms, load))
     return best_t if best_t >= 0 else runs.t[0]
 
 
