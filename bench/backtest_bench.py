@@ -37,7 +37,7 @@ from controllerd.pipeline.engines import RunOptions, run_local, run_spark, spark
 from controllerd.pipeline.load import Skew, Trace, source_for
 from controllerd.pipeline.simulate import METRIC_COLUMNS, simulate
 from controllerd.pipeline.traces import TraceOptions, discover
-from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, load_variants
+from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, Variant, load_variants
 from tests.support.shared import traces_dir
 
 if TYPE_CHECKING:
@@ -109,18 +109,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, pd.DataFrame] = {}
     rate: dict[str, float] = {}
     marginal: dict[str, tuple[float, float]] = {}  # engine -> (fixed seconds, steps/s)
+    model: dict[str, tuple[float, float, float]] = {}  # engine -> s a run, a group, a step
     for engine in args.engines.split(","):
         if engine not in ("local", "spark"):
             parser.error(f"unknown engine {engine!r}")
         session = spark_session(args.master) if engine == "spark" else None
 
-        def replay(which: Sequence[Trace], spark: SparkSession | None = session) -> pd.DataFrame:
+        def replay(
+            which: Sequence[Trace],
+            these: Sequence[Variant] = variants,
+            spark: SparkSession | None = session,
+        ) -> pd.DataFrame:
             if spark is None:
-                return run_local(which, variants, options, workers=args.workers)
-            return run_spark(which, variants, options, spark=spark)
+                return run_local(which, these, options, workers=args.workers)
+            return run_spark(which, these, options, spark=spark)
 
         times: list[float] = []
         short_times: list[float] = []
+        few_times: list[float] = []
         try:
             for _ in range(max(1, args.repeat)):
                 started = time.perf_counter()
@@ -130,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 started = time.perf_counter()
                 short_result = replay(short)
                 short_times.append(time.perf_counter() - started)
+            for _ in range(max(1, args.repeat)):
+                started = time.perf_counter()
+                few_result = replay(short, variants[:1])
+                few_times.append(time.perf_counter() - started)
         finally:
             if session is not None:
                 session.stop()
@@ -137,9 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         total = steps_of(result, interval)
         rate[engine] = total / seconds
         short_total = steps_of(short_result, interval)
+        few_total = steps_of(few_result, interval)
         if seconds > min(short_times) and total > short_total:
             per_step = (seconds - min(short_times)) / (total - short_total)
             marginal[engine] = (max(0.0, seconds - total * per_step), 1.0 / per_step)
+            few_groups = len(short) * 1
+            if groups > few_groups:
+                per_group = (
+                    min(short_times) - min(few_times) - (short_total - few_total) * per_step
+                ) / (groups - few_groups)
+                per_run = min(short_times) - groups * per_group - short_total * per_step
+                model[engine] = (per_run, per_group, per_step)
         label = (
             f"{engine} ({args.master})"
             if engine == "spark"
@@ -154,11 +172,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             + ", ".join(f"{t:.1f}" for t in short_times)
             + f" s ({short_total:,.0f} steps)"
         )
+        print(
+            f"  first {args.short_hours:g} h, {len(short)} groups (one variant): runs "
+            + ", ".join(f"{t:.1f}" for t in few_times)
+            + f" s ({few_total:,.0f} steps)"
+        )
         if engine in marginal:
             fixed, steps_per_s = marginal[engine]
             print(
                 f"  fixed cost per run:    {fixed:.1f} s; each further step: "
                 f"{steps_per_s:,.0f} steps/s (from the two sizes)"
+            )
+        if engine in model:
+            per_run, per_group, per_step = model[engine]
+            print(
+                f"  cost model:            {per_run:.2f} s a run + "
+                f"{1000 * per_group:.1f} ms a group + {1e9 * per_step:,.0f} ns a step "
+                "(from the three runs)"
             )
         results[engine] = result
     if len(results) == 2:
@@ -179,6 +209,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  with the fixed cost paid once, not per {groups} groups: {fixed:.1f} s + "
             f"{fleet:,.0f} steps at {steps_per_s:,.0f} steps/s = "
             f"{(fixed + fleet / steps_per_s) / 60:,.1f} minutes"
+        )
+    if engine in model:
+        per_run, per_group, per_step = model[engine]
+        fleet_groups = args.topics * args.fleet_variants
+        seconds = max(0.0, per_run) + fleet_groups * max(0.0, per_group) + fleet * per_step
+        print(
+            f"  each cost where a fleet pays it: {max(0.0, per_run):.1f} s once + "
+            f"{fleet_groups:,} groups x {1000 * max(0.0, per_group):.1f} ms + "
+            f"{fleet:,.0f} steps x {1e9 * per_step:,.0f} ns = {seconds / 60:,.1f} minutes "
+            "(goal <= 10)"
         )
     return 0
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import heapq
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ import tempfile
 import threading
 import uuid
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -176,14 +177,52 @@ def _udf(runner: GroupRunner) -> Callable[[pd.DataFrame], pd.DataFrame]:
     return apply
 
 
-def _shipped_udf(
-    runner: GroupRunner, traces: Broadcast[dict[str, Trace]]
-) -> Callable[[pd.DataFrame], pd.DataFrame]:
-    """Like :func:`_udf`, for a group whose only row names its trace: the trace itself
-    comes from the broadcast, which each executor fetches once, not once per variant."""
+Batch = list[tuple[str, str]]
+"""(trace, variant) pairs one Spark task replays, one after the other."""
 
-    def apply(frame: pd.DataFrame) -> pd.DataFrame:
-        return runner.run(traces.value[str(frame["trace"].iloc[0])], str(frame["variant"].iloc[0]))
+GROUPS_PER_TASK: Final = 64
+"""A fleet's groups go at least this many to a task: a Spark task costs ~40 ms of its own
+(launch, a Python worker's round trip, one frame each way), as much as replaying a month."""
+
+
+def batches(traces: Sequence[Trace], variants: Sequence[Variant], slots: int) -> list[Batch]:
+    """The pairs in tasks of about equal work, longest replays first to the least loaded
+    task: 4 tasks per slot while that leaves fewer than :data:`GROUPS_PER_TASK` per task
+    (so a few long traces still spread over every core), else that many per task."""
+    work = sorted(
+        (
+            (
+                (t.t_ms[-1] - t.t_ms[0]) / (v.strategy.interval_seconds * 1000.0) + 1.0,
+                t.name,
+                v.name,
+            )
+            for t in traces
+            for v in variants
+        ),
+        key=lambda w: -w[0],
+    )
+    count = min(len(work), max(4 * max(1, slots), -(-len(work) // GROUPS_PER_TASK)))
+    loads = [(0.0, i) for i in range(count)]
+    out: list[Batch] = [[] for _ in range(count)]
+    for steps, trace, variant in work:
+        load, i = heapq.heappop(loads)
+        out[i].append((trace, variant))
+        heapq.heappush(loads, (load + steps, i))
+    return [b for b in out if b]
+
+
+def _batch_task(
+    runner: GroupRunner, traces: Broadcast[dict[str, Trace]]
+) -> Callable[[Iterable[Batch]], Iterator[pd.DataFrame]]:
+    """A task's function: its batch's result rows as one frame. The traces come from the
+    broadcast, which each executor fetches once, not once per group."""
+
+    def apply(batch_list: Iterable[Batch]) -> Iterator[pd.DataFrame]:
+        for batch in batch_list:
+            yield pd.concat(
+                [runner.run(traces.value[trace], variant) for trace, variant in batch],
+                ignore_index=True,
+            )
 
     return apply
 
@@ -491,18 +530,6 @@ def run_spark(
         session.conf.set("spark.sql.execution.arrow.pyspark.enabled", "true")
         runner = GroupRunner({v.name: v.strategy for v in variants}, options)
         parts: list[SparkFrame] = []
-        if traces:
-            # The series travel once, as a broadcast; only (trace, variant) pairs are
-            # shuffled (shuffling every row once per variant cost ~5 s of a 16 s bench run).
-            shipped = session.sparkContext.broadcast({t.name: t for t in traces})
-            pairs = pd.DataFrame(
-                [(t.name, v.name) for t in traces for v in variants], columns=["trace", "variant"]
-            )
-            parts.append(
-                _per_group(session.createDataFrame(pairs), len(pairs)).applyInPandas(
-                    _shipped_udf(runner, shipped), RESULT_DDL
-                )
-            )
         if histories:
             rows = history_rows(session, histories[0], max_hours)
             for h in histories[1:]:
@@ -514,16 +541,27 @@ def run_spark(
                     _udf(runner), RESULT_DDL
                 )
             )
-        if not parts:
+        if not parts and not traces:
             raise ValueError("run_spark: no traces and no histories to replay")
-        grouped = parts[0]
-        for part in parts[1:]:
-            grouped = grouped.unionByName(part)
         group_id = f"controllerd-backtest-{uuid.uuid4().hex}"
-        session.sparkContext.setJobGroup(group_id, "controllerd backtest")
+        context = session.sparkContext
+        context.setJobGroup(group_id, "controllerd backtest")
         watcher = _SparkProgress(session, group_id, progress) if progress else nullcontext()
+        frames: list[pd.DataFrame] = []
         with watcher:
-            result = grouped.toPandas()
+            if traces:
+                # The series travel once, as a broadcast; a task gets a batch of (trace,
+                # variant) names, one partition each, and replays it in turn.
+                shipped = context.broadcast({t.name: t for t in traces})
+                work = batches(traces, variants, context.defaultParallelism)
+                frames += (
+                    context.parallelize(work, len(work))
+                    .mapPartitions(_batch_task(runner, shipped))
+                    .collect()
+                )
+            for part in parts:
+                frames.append(part.toPandas())
+        result = pd.concat(frames, ignore_index=True)
     finally:
         if shipped is not None:
             shipped.unpersist()
