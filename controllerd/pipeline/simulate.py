@@ -364,7 +364,6 @@ class _Idle:
         self.n_buckets = n_buckets
         self.split = policy.split_thresholds.as_tuple()
         self.merge = policy.merge_thresholds.as_tuple()
-        self._topic: tuple[int, float] = (-1, 0.0)
 
     def run(
         self,
@@ -441,8 +440,12 @@ class _Idle:
         kinds = [0] * ng  # 0: nothing, 1: a heartbeat, 2: a new record
         dues = [0] * ng
         end = last + step_ms
+        gc_at = sealed[0][0] if retention_ms >= 0 and sealed else None
+        gc_due = gc_at + math.ceil(retention_ms) if gc_at is not None else None
+        run_t, run_count, run_measures = runs.t, runs.count, runs.measures
+        topic_c, topic = -1, 0.0
         while t <= last:
-            if retention_ms >= 0 and sealed and t - sealed[0][0] >= retention_ms:
+            if gc_at is not None and t - gc_at >= retention_ms:
                 break  # a GC visit changes the layout
             c = change
             while c + 1 < n_times and times[c + 1] <= t:
@@ -536,20 +539,28 @@ class _Idle:
                         step_msgs += c0 - r0
                 if score > hottest:  # noqa: PLR1730 - not max(): per segment per visit
                     hottest = score
-            if self._topic[0] != c:
-                self._topic = (c, max(t0 / r0, t1 / r1, t2 / r2, t3 / r3))
+            if topic_c != c:  # max() of the four, unrolled
+                topic_c, topic = c, t0 / r0
+                if (x := t1 / r1) > topic:
+                    topic = x
+                if (x := t2 / r2) > topic:
+                    topic = x
+                if (x := t3 / r3) > topic:
+                    topic = x
             visits += 1
-            nxt = end
-            if c + 1 < n_times:
-                nxt = min(nxt, times[c + 1])
-            if retention_ms >= 0 and sealed:
-                nxt = min(nxt, sealed[0][0] + math.ceil(retention_ms))
-            following = t + max(1, -(-(nxt - t) // step_ms)) * step_ms
-            runs.add(
-                t,
-                (min(following, end) - t) // step_ms,
-                (n, above, step_excess, step_msgs, hottest, self._topic[1]),
-            )
+            nxt = times[c + 1] if c + 1 < n_times and times[c + 1] < end else end
+            if gc_due is not None and gc_due < nxt:
+                nxt = gc_due
+            ahead = -(-(nxt - t) // step_ms)
+            following = t + (ahead if ahead > 1 else 1) * step_ms
+            steps = ((following if following < end else end) - t) // step_ms
+            measure = (n, above, step_excess, step_msgs, hottest, topic)
+            if run_measures and run_measures[-1] == measure:
+                run_count[-1] += steps
+            else:
+                run_t.append(t)
+                run_count.append(steps)
+                run_measures.append(measure)
             t = following
         rates: Rates | None = None
         for g in range(ng):
