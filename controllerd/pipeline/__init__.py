@@ -7,7 +7,7 @@ Layers, from pure to I/O (the pure ones import no I/O library, no pandas):
 * :mod:`.variants` — policy variants from one TOML file (pure);
 * :mod:`.traces` — importers: NAB-style CSV series, recorded Parquet history;
 * :mod:`.engines` — runs traces x variants locally (pandas, a process per core)
-  or on Spark (``groupBy(trace, variant).applyInPandas``), same function both ways;
+  or on Spark (batches of (trace, variant) groups, one task each), same function both ways;
 * :mod:`.report` — ``metrics.csv``, ``report.md`` and PNG plots;
 * :mod:`.recorder` — follows etcd (and the audit topic) into Parquet;
 * :mod:`.cli` — the ``backtest`` and ``record`` subcommands.

@@ -1,12 +1,14 @@
 """Run every trace x variant through the simulator: locally or on Spark, identically.
 
-Both engines hand the *same* pandas frame (one trace's rows, tagged with one
-variant) to the *same* :class:`GroupRunner`, which rebuilds the trace, runs
-:func:`controllerd.pipeline.simulate.simulate` and returns a one-row frame.
-``local`` calls it in a process pool (one process per core); ``spark`` calls it
-from ``groupBy("trace", "variant").applyInPandas(...)``. The runner sorts its
-input by ``seq`` first, so the order Spark delivers rows in cannot matter, and
-Arrow carries int64 and float64 exactly: the metrics are bit-identical.
+Both engines replay each (trace, variant) group with the *same*
+:class:`GroupRunner`, which runs :func:`controllerd.pipeline.simulate.simulate`
+and returns the group's result row. ``local`` calls it in a process pool (one
+process per core) on the trace's frame; ``spark`` gives each task a batch of
+groups (:func:`batches`) whose series come from a broadcast, and replays recorded
+histories with ``groupBy("trace", "variant").applyInPandas(...)``. The runner
+sorts a frame's rows by ``seq`` first, so the order Spark delivers rows in cannot
+matter, and Arrow and pickle carry int64 and float64 exactly: the metrics are
+bit-identical.
 
 On a cluster (``--master spark://HOST:7077``) the executors need our code:
 :func:`ship_code` zips the ``controllerd`` package the driver imported and adds
