@@ -54,7 +54,9 @@ from controllerd.core.policy import (
     decide,
     is_stale,
     may_act,
+    may_act_now,
     next_decision_ms,
+    next_ripe_ms,
     plan_split,
     resolve_policy,
     split_score,
@@ -820,6 +822,60 @@ def test_extended_decisions_are_valid_and_time_changes_them_only_at_next_decisio
     assert decision_to_json(again)["segments"] == decision_to_json(first)["segments"]
     if not may_act(sc.layout, sc.loads, sc.consumers, policy):
         assert isinstance(again, NoAction)
+
+
+def same_side(draw: Draw, value: float, merge: float, split: float) -> float:
+    """Another rate on the same side of a merge and a split threshold as ``value``."""
+    if value < merge:
+        return draw(st.floats(0.0, merge, exclude_max=True))
+    if value <= split:
+        return draw(st.floats(merge, split))
+    return draw(st.floats(split, 2 * split + 1, exclude_min=True))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(cold_bias=True), st.data())
+def test_a_false_may_act_now_holds_until_next_ripe_ms_across_writes_on_the_same_side(
+    sc: Scenario, data: st.DataObject
+) -> None:
+    """What the replay's short path relies on while cold segments wait for their window:
+    decide stays NoAction until next_ripe_ms, whatever records are written in the
+    meantime, as long as each stays on its side of every threshold and none was stale."""
+    policy = data.draw(extended_policies(merge_friendly=True))
+    sc = dataclasses.replace(sc, policy=policy)
+    sc = dataclasses.replace(sc, loads=with_history(sc, data))
+    acts = may_act_now(sc.layout, sc.loads, sc.consumers, policy, sc.now_ms)
+    event(f"may act now: {acts}")
+    if acts:
+        return
+    assert isinstance(sc.decide(), NoAction)
+    ripe = next_ripe_ms(sc.layout, sc.loads, policy, sc.now_ms)
+    wake = next_decision_ms(
+        sc.layout, sc.loads, policy, sc.now_ms, sc.last_split_ms, sc.last_merge_ms
+    )
+    assert ripe is None or (wake is not None and ripe >= wake)
+    horizon = ripe if ripe is not None else sc.now_ms + 10**9
+    later = data.draw(st.integers(sc.now_ms, horizon - 1), label="later")
+    split, merge = policy.split_thresholds.as_tuple(), policy.merge_thresholds.as_tuple()
+    written: dict[int, LoadSample] = {}
+    for sid, sample in sc.loads.items():
+        fresh = not is_stale(sample, policy, later)
+        if fresh and data.draw(st.booleans(), label=f"write {sid}"):
+            rates = Rates(
+                *(
+                    same_side(data.draw, v, m, x)
+                    for v, m, x in zip(sample.rates.as_tuple(), merge, split, strict=True)
+                )
+            )
+            sampled = later if sample.sampled_at_ms is not None else None
+            written[sid] = dataclasses.replace(
+                sample, rates=rates, changed_at_ms=later, sampled_at_ms=sampled
+            )
+        else:
+            written[sid] = sample
+    moved = dataclasses.replace(sc, now_ms=later, loads=written)
+    assert isinstance(moved.decide(), NoAction)
+    assert not may_act_now(moved.layout, written, moved.consumers, policy, later)
 
 
 @settings(max_examples=150, deadline=None)

@@ -990,6 +990,42 @@ def may_act(
     return False
 
 
+def may_act_now(
+    layout: Layout,
+    loads: Mapping[int, LoadSample],
+    consumers: Mapping[str, int],
+    policy: PolicySettings | PolicyInvalid,
+    now_ms: int,
+) -> bool:
+    """False only when ``decide`` answers NoAction at ``now_ms``, whatever the rates.
+
+    :func:`may_act` at one instant: no subscription has more consumers than
+    segments, no record is over a split threshold, and no two adjacent records
+    are ripe for a merge (below every merge threshold, fresh, and past their
+    merge window, as ``decide`` judges it). Then every rule ``decide`` has is
+    out, and the records' rates matter only through which side of each
+    threshold they are on. Until :func:`next_decision_ms`, no pair ripens
+    unless a record crosses a merge threshold, its cold-since moves earlier or
+    a stale record is refreshed: a caller may carry a False across writes that
+    do none of these and cross no split threshold (the backtest's replay does,
+    while two cold segments wait for their merge window).
+    """
+    if isinstance(policy, PolicyInvalid) or not policy.enabled:
+        return False
+    active = layout.active_segments()
+    if max(consumers.values(), default=0) > len(active):
+        return True
+    s = policy.split_thresholds
+    for seg in active:
+        sample = loads.get(seg.segment_id)
+        if sample is not None and _over(sample.rates, s):
+            return True
+    if len(active) <= policy.min_segments:
+        return False
+    ripe = _cold_flags(active, loads, policy, now_ms)
+    return any(a and b for a, b in itertools.pairwise(ripe))
+
+
 def next_decision_ms(
     layout: Layout,
     loads: Mapping[int, LoadSample],
@@ -1041,6 +1077,47 @@ def next_decision_ms(
             last = sample.last_flipflop_ms
             if last is not None and now_ms >= last:
                 at_or_after(last + ((now_ms - last) // decay_ms + 1) * decay_ms)
+    return int(min(found)) if found else None
+
+
+def next_ripe_ms(
+    layout: Layout,
+    loads: Mapping[int, LoadSample],
+    policy: PolicySettings | PolicyInvalid,
+    now_ms: int,
+) -> int | None:
+    """The earliest time after ``now_ms`` at which a record below every merge threshold
+    could be past its merge window, with the same records; None if none could.
+
+    While :func:`may_act_now` is False, time can change ``decide``'s answer only by
+    ripening a pair, so it answers NoAction until then. The part of
+    :func:`next_decision_ms` that concerns cold records (their window's end, its
+    backoff decay steps, when they go stale), and no later than it for them.
+    """
+    if isinstance(policy, PolicyInvalid) or not policy.enabled:
+        return None
+    found: list[int] = []
+    ttl_ms = policy.load_ttl_seconds * 1000.0
+    decay_ms = policy.merge_backoff_decay_seconds * 1000.0
+    limits = policy.merge_thresholds
+    for seg in layout.active_segments():
+        sample = loads.get(seg.segment_id)
+        if sample is None or not below(sample.rates, limits):
+            continue
+        since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
+        ends = since + merge_window_ms(sample, policy, now_ms)
+        if ends > now_ms:
+            found.append(math.ceil(ends))
+        if ttl_ms > 0 and sample.sampled_at_ms is not None:
+            stale = math.floor(sample.sampled_at_ms + ttl_ms) + 1
+            if stale > now_ms:
+                found.append(stale)
+        if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
+            last = sample.last_flipflop_ms
+            if last is not None and now_ms >= last:
+                step = last + ((now_ms - last) // decay_ms + 1) * decay_ms
+                if step > now_ms:
+                    found.append(math.ceil(step))
     return int(min(found)) if found else None
 
 

@@ -41,6 +41,8 @@ its inputs changed or one of those times passed. Heartbeats that cannot matter
 The steps in between are added as runs of identical measurements. Both modes
 accumulate the same runs in the same order, so ``step_by_step=True`` (every
 step, ``decide`` every time) gives bit-identical metrics; the tests check it.
+Visits at which ``decide`` need not be asked at all (:func:`may_act_now` False,
+and no write that could change that) take a short path (:class:`_Idle`).
 
 Load is measured against fixed ``reference`` thresholds (the capacity the
 trace was scaled to), never the variant's own, so a variant that splits
@@ -75,7 +77,9 @@ from controllerd.core.policy import (
     decide,
     inherited_cold_since,
     may_act,
+    may_act_now,
     next_decision_ms,
+    next_ripe_ms,
     stale_at,
 )
 from controllerd.pipeline.load import (
@@ -315,24 +319,31 @@ class _Runs:
 
 
 class _Idle:
-    """The replay's fast path for the visits of an idle policy (every visit's fourth).
+    """The replay's short path for the visits at which ``decide`` need not be asked.
 
-    Most visited steps only measure and let reporters write: the layout holds,
-    and the records they write neither go over a split threshold nor make two
-    adjacent segments cold, so :func:`may_act` stays False and ``decide`` is
-    not asked. This walks such visits with plain locals instead of the general
-    loop, and stops *before* the first visit that could be anything else (a
-    write that makes ``may_act`` True, a GC, the end), which the general loop
-    then makes from scratch. Identical segments (same share of every spread,
-    same record) are walked once when nothing per segment is tracked, which is
-    what a static layout of N equal ranges is.
+    :func:`may_act_now` False means no record is hot and no two adjacent cold
+    records are past their merge window: ``decide`` answers NoAction, and keeps
+    answering it across writes that put no record over a split threshold and
+    no new record under the merge thresholds, until a pair could ripen. On nab
+    + aws that holds at nine visits in ten: in calm stretches (``may_act``
+    False, nothing cold beside something cold) and while cold segments wait
+    out their merge window. Such visits only measure and let reporters write.
+    This walks them with plain locals instead of the general loop, given
+    ``until`` (when a pair could ripen, :func:`next_ripe_ms`; None: never), and
+    stops *before* the first visit that could be anything else: a hot record,
+    a new cold record whose window is already over (a merge child that
+    inherits its parents' cold-since), ``until``, a GC, the end. The general
+    loop makes that visit from scratch. A new cold record otherwise moves
+    ``until`` to its window's end (backoff only lengthens a window); the
+    caller then decides no later than that.
 
-    Only for series sources, and only where a record cannot go stale at a
-    visit (lazy heartbeats, or no heartbeats and no TTL) and no peak window is
-    kept: then a visit's writes need nothing but the record itself. Every
-    metric stays bit-identical to the general loop (tests compare both with
-    the step-by-step replay); the per-visit sums add the segments' terms in the
-    same order.
+    Identical segments (same share of every spread, same record) are walked
+    once when nothing per segment is tracked: a static layout of N equal
+    ranges. Only for series sources, where a record cannot go stale at a visit
+    (heartbeats that are counted, or no heartbeats and no TTL) and no peak
+    window is kept. Every metric stays bit-identical to the general loop (tests
+    compare both with the step-by-step replay); the per-visit sums add the
+    segments' terms in the same order.
     """
 
     def __init__(
@@ -378,12 +389,15 @@ class _Idle:
         retention_ms: float,
         stale_view: set[int],
         runs: _Runs,
-    ) -> tuple[int, int, int, int]:
-        """Make the idle visits from ``t`` on; returns ``(t, change, writes, visits)`` where
-        ``t`` is the first visit left to the general loop (or past ``last``)."""
+        until: int | None,
+    ) -> tuple[int, int, int, int, int | None]:
+        """Make the visits from ``t`` on while ``decide`` need not be asked; returns ``(t,
+        change, writes, visits, until)`` where ``t`` is the first visit left to the
+        general loop (or past ``last``) and ``until`` the (maybe earlier) time by
+        which it must decide again."""
         for _, _, _, rep in segs:
             if rep.written is None or rep.written_at is None:
-                return t, change, 0, 0
+                return t, change, 0, 0, until
         policy, enabled = self.policy, self.policy.enabled
         track_cold = self.track_cold
         # groups of segments that evolve identically: key -> index
@@ -412,6 +426,7 @@ class _Idle:
                 retention_ms,
                 stale_view,
                 runs,
+                until,
             )
         first = [segs[m[0]] for m in members]
         written: list[RateTuple] = [rep.written for _, _, _, rep in first]  # type: ignore[misc]
@@ -426,6 +441,7 @@ class _Idle:
         r0, r1, r2, r3 = self.reference
         cold = [w[0] < m0 and w[1] < m1 and w[2] < m2 and w[3] < m3 for w in written]
         merging = len(segs) > policy.min_segments
+        window_ms = policy.merge_window_seconds * 1000.0  # backoff only lengthens it
         quiet = self.gate.quiet
         times, totals, spreads = self.times, self.totals, self.spreads
         n_times = len(times)
@@ -447,6 +463,8 @@ class _Idle:
         while t <= last:
             if gc_at is not None and t - gc_at >= retention_ms:
                 break  # a GC visit changes the layout
+            if until is not None and t >= until:
+                break  # decide's answer may change with time from here on
             c = change
             while c + 1 < n_times and times[c + 1] <= t:
                 c += 1
@@ -455,7 +473,8 @@ class _Idle:
                 shares_of = spread
                 shares = [spread.share(segs[m[0]][1], segs[m[0]][2]) for m in members]
             t0, t1, t2, t3 = totals[c]
-            stop = became_cold = False
+            stop = False
+            visit_until: int | None = None
             for g in range(ng):
                 sh = shares[g]
                 c0, c1, c2, c3 = t0 * sh, t1 * sh, t2 * sh, t3 * sh
@@ -486,24 +505,26 @@ class _Idle:
                 kinds[g], new_at[g] = 2, t
                 if enabled:
                     if c0 > s0 or c1 > s1 or c2 > s2 or c3 > s3:
-                        stop = True  # a hot record: may_act
+                        stop = True  # a hot record: may_act_now
                         break
-                    if c0 < m0 and c1 < m1 and c2 < m2 and c3 < m3 and not cold[g]:
-                        became_cold = True
+                    if merging and c0 < m0 and c1 < m1 and c2 < m2 and c3 < m3 and not cold[g]:
+                        # a new cold record: no pair with it ripens before its window ends
+                        since = t
+                        if track_cold:
+                            sid = segs[members[g][0]][0]
+                            inherited = inherited_cold_since(layout, sid, sealed_cold)
+                            since = inherited if inherited is not None else t
+                        ripens = math.floor(since + window_ms)
+                        if ripens <= t:
+                            stop = True
+                            break
+                        if visit_until is None or ripens < visit_until:
+                            visit_until = ripens
             if stop:
                 break
-            if became_cold and merging:
-                now_cold = [
-                    (
-                        kinds[g] == 2
-                        and all(v < m for v, m in zip(new_loads[g], merge_lo, strict=True))
-                    )
-                    or (kinds[g] != 2 and cold[g])
-                    for g in range(ng)
-                ]
-                if any(now_cold[group_of[i]] and now_cold[group_of[i + 1]] for i in range(n - 1)):
-                    break  # two adjacent cold records: may_act
             # commit the visit
+            if visit_until is not None and (until is None or visit_until < until):
+                until = visit_until
             change = c
             for g in range(ng):
                 kind, due = kinds[g], dues[g]
@@ -551,6 +572,8 @@ class _Idle:
             nxt = times[c + 1] if c + 1 < n_times and times[c + 1] < end else end
             if gc_due is not None and gc_due < nxt:
                 nxt = gc_due
+            if until is not None and until < nxt:
+                nxt = until
             ahead = -(-(nxt - t) // step_ms)
             following = t + (ahead if ahead > 1 else 1) * step_ms
             steps = ((following if following < end else end) - t) // step_ms
@@ -586,7 +609,7 @@ class _Idle:
                     rep.rates = rates
                     if snap is not None:
                         rep.buckets = snap.buckets(a, b, self.n_buckets)
-        return t, change, writes, visits
+        return t, change, writes, visits, until
 
     def _one(
         self,
@@ -601,7 +624,8 @@ class _Idle:
         retention_ms: float,
         stale_view: set[int],
         runs: _Runs,
-    ) -> tuple[int, int, int, int]:
+        until: int | None,
+    ) -> tuple[int, int, int, int, int | None]:
         """:meth:`run` when every segment evolves alike (one segment, or N equal static ones)."""
         policy, enabled, track_cold = self.policy, self.policy.enabled, self.track_cold
         n = len(segs)
@@ -617,6 +641,7 @@ class _Idle:
         cold = written[0] < m0 and written[1] < m1 and written[2] < m2 and written[3] < m3
         # n equal records that turn cold are n adjacent cold records
         cold_stops = enabled and n >= 2 and n > policy.min_segments
+        window_ms = policy.merge_window_seconds * 1000.0  # backoff only lengthens it
         gate = self.gate
         lim, crossing = gate.limit, gate.crossing
         g0, g1, g2, g3 = gate.split
@@ -635,6 +660,8 @@ class _Idle:
         while t <= last:
             if gc_at is not None and t - gc_at >= retention_ms:
                 break  # a GC visit changes the layout
+            if until is not None and t >= until:
+                break  # decide's answer may change with time from here on
             c = change
             while c + 1 < n_times and times[c + 1] <= t:
                 c += 1
@@ -700,10 +727,15 @@ class _Idle:
                 written_at = w
             else:
                 now_cold = c0 < m0 and c1 < m1 and c2 < m2 and c3 < m3
-                if enabled and (
-                    c0 > s0 or c1 > s1 or c2 > s2 or c3 > s3 or (now_cold and cold_stops)
-                ):
-                    break  # a hot record, or adjacent cold ones: may_act
+                if enabled and (c0 > s0 or c1 > s1 or c2 > s2 or c3 > s3):
+                    break  # a hot record: may_act_now
+                if enabled and now_cold and not cold and cold_stops:
+                    # n equal records turn cold together: they ripen when the window ends
+                    ripens = math.floor(t + window_ms)
+                    if ripens <= t:
+                        break
+                    if until is None or ripens < until:
+                        until = ripens
                 writes += (due + 1) * n
                 touched = True
                 written, written_at, changed_at, wrote = (c0, c1, c2, c3), t, t, c
@@ -746,6 +778,8 @@ class _Idle:
             nxt = times[c + 1] if c + 1 < n_times and times[c + 1] < end else end
             if gc_due is not None and gc_due < nxt:
                 nxt = gc_due
+            if until is not None and until < nxt:
+                nxt = until
             ahead = -(-(nxt - t) // step_ms)
             following = t + (ahead if ahead > 1 else 1) * step_ms
             steps = ((following if following < end else end) - t) // step_ms
@@ -769,7 +803,7 @@ class _Idle:
                 rep.rates = rates
                 if snap is not None:
                     rep.buckets = snap.buckets(a, b, self.n_buckets)
-        return t, change, writes, visits
+        return t, change, writes, visits, until
 
 
 def simulate(
@@ -851,6 +885,10 @@ def simulate(
     ranges: Ranges = ()
     wake: int | None = None  # next_decision_ms after that NoAction
     idle = False  # may_act said False on the records as they are; no decide or GC since
+    # decide said NoAction and may_act_now False: it will until `ripe`, across writes that
+    # keep every record on its side of each threshold (no decide, GC or operation since)
+    waiting = False
+    ripe: int | None = None  # with waiting: next_ripe_ms, when a pair could ripen
     fast = (
         _Idle(
             source,
@@ -872,8 +910,8 @@ def simulate(
     )
 
     while t <= last:
-        if idle and fast is not None and layout is seg_layout:
-            t, moved, added, made = fast.run(
+        if (idle or waiting) and fast is not None and layout is seg_layout:
+            t, moved, added, made, ripens = fast.run(
                 t,
                 change,
                 last,
@@ -885,7 +923,11 @@ def simulate(
                 retention_ms,
                 stale_view,
                 runs,
+                None if idle else ripe,
             )
+            if ripens is not None and (idle or ripens != ripe):  # cold pairs: decide by then
+                idle, waiting, ripe = False, True, ripens
+                wake = ripens if wake is None or ripens < wake else wake
             writes += added
             visited += made
             if moved != change:
@@ -1015,9 +1057,9 @@ def simulate(
                     )
             stale_view.clear()
         if not step_by_step and dirty and not may_act(layout, view, {}, policy):
-            dirty, wake, idle = False, None, True  # nothing can happen until a record changes
+            dirty, wake, idle, waiting = False, None, True, False  # until a record changes
         if step_by_step or dirty or (wake is not None and t >= wake):
-            idle = False
+            idle = waiting = False
             for _ in range(MAX_OPS_PER_STEP):
                 seen = (
                     {sid: history.annotate(sid, s, t, policy) for sid, s in view.items()}
@@ -1029,6 +1071,13 @@ def simulate(
                     dirty = False
                     if not step_by_step:
                         wake = _wake(layout, seen, policy, t, last_split, last_merge, history)
+                        waiting = (
+                            fast is not None
+                            and not operated
+                            and not may_act_now(layout, seen, {}, policy, t)
+                        )
+                        if waiting:
+                            ripe = next_ripe_ms(layout, seen, policy, t)
                     break
                 operated = True
                 if isinstance(decision, Split):
@@ -1079,7 +1128,7 @@ def simulate(
             while sealed and t - sealed[0][0] >= retention_ms:
                 due_ids.append(sealed.popleft()[1])
             layout = prune(layout, due_ids)
-            dirty, idle = True, False  # merge depths may have changed
+            dirty, idle, waiting = True, False, False  # merge depths may have changed
             if check_layout:
                 check(layout)
 
