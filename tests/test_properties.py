@@ -859,8 +859,9 @@ def test_a_false_may_act_now_holds_until_next_ripe_ms_across_writes_on_the_same_
     split, merge = policy.split_thresholds.as_tuple(), policy.merge_thresholds.as_tuple()
     written: dict[int, LoadSample] = {}
     for sid, sample in sc.loads.items():
-        fresh = not is_stale(sample, policy, later)
-        if fresh and data.draw(st.booleans(), label=f"write {sid}"):
+        # a write stamps its own time: never before the record it replaces
+        writable = not is_stale(sample, policy, later) and later >= sample.changed_at_ms
+        if writable and data.draw(st.booleans(), label=f"write {sid}"):
             rates = Rates(
                 *(
                     same_side(data.draw, v, m, x)

@@ -1004,11 +1004,11 @@ def may_act_now(
     are ripe for a merge (below every merge threshold, fresh, and past their
     merge window, as ``decide`` judges it). Then every rule ``decide`` has is
     out, and the records' rates matter only through which side of each
-    threshold they are on. Until :func:`next_decision_ms`, no pair ripens
-    unless a record crosses a merge threshold, its cold-since moves earlier or
-    a stale record is refreshed: a caller may carry a False across writes that
-    do none of these and cross no split threshold (the backtest's replay does,
-    while two cold segments wait for their merge window).
+    threshold they are on. Until :func:`next_ripe_ms`, no pair ripens unless a
+    record crosses a merge threshold, its cold-since or changedAt moves
+    earlier, or a stale record is refreshed: a caller may carry a False across
+    writes that do none of these and cross no split threshold (the backtest's
+    replay does, while two cold segments wait for their merge window).
     """
     if isinstance(policy, PolicyInvalid) or not policy.enabled:
         return False
@@ -1075,8 +1075,8 @@ def next_decision_ms(
             after(sample.sampled_at_ms + ttl_ms)
         if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
             last = sample.last_flipflop_ms
-            if last is not None and now_ms >= last:
-                at_or_after(last + ((now_ms - last) // decay_ms + 1) * decay_ms)
+            if last is not None:  # a flip-flop stamped ahead of now_ms: from `last` on
+                at_or_after(last + max(0, (now_ms - last) // decay_ms + 1) * decay_ms)
     return int(min(found)) if found else None
 
 
@@ -1114,8 +1114,8 @@ def next_ripe_ms(
                 found.append(stale)
         if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
             last = sample.last_flipflop_ms
-            if last is not None and now_ms >= last:
-                step = last + ((now_ms - last) // decay_ms + 1) * decay_ms
+            if last is not None:  # a flip-flop stamped ahead of now_ms: from `last` on
+                step = last + max(0, (now_ms - last) // decay_ms + 1) * decay_ms
                 if step > now_ms:
                     found.append(math.ceil(step))
     return int(min(found)) if found else None
