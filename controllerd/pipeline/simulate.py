@@ -528,10 +528,11 @@ class _Idle:
             change = c
             for g in range(ng):
                 kind, due = kinds[g], dues[g]
+                if not (due or kind):
+                    continue  # nothing written, nothing caught up: the record stands
                 written_at[g] = new_at[g]
-                if due or kind:
-                    writes += (due + (kind > 0)) * count[g]
-                    touched[g] = True
+                writes += (due + (kind > 0)) * count[g]
+                touched[g] = True
                 if kind == 2:
                     loads = written[g] = new_loads[g]
                     changed_at[g] = t
@@ -550,8 +551,7 @@ class _Idle:
                                 del cold_since[sid]
             above = 0
             step_excess = step_msgs = hottest = 0.0
-            for i in range(n):
-                g = group_of[i]
+            for g in group_of:  # segment order
                 score = scores[g]
                 if score > 1.0:
                     above += 1
