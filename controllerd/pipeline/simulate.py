@@ -375,6 +375,9 @@ class _Idle:
         self.n_buckets = n_buckets
         self.split = policy.split_thresholds.as_tuple()
         self.merge = policy.merge_thresholds.as_tuple()
+        r0, r1, r2, r3 = reference
+        #: the topic's load from each change on, as the general loop measures it
+        self.topic_at = [max(t0 / r0, t1 / r1, t2 / r2, t3 / r3) for t0, t1, t2, t3 in self.totals]
 
     def run(
         self,
@@ -459,7 +462,7 @@ class _Idle:
         gc_at = sealed[0][0] if retention_ms >= 0 and sealed else None
         gc_due = gc_at + math.ceil(retention_ms) if gc_at is not None else None
         run_t, run_count, run_measures = runs.t, runs.count, runs.measures
-        topic_c, topic = -1, 0.0
+        topic_at = self.topic_at
         while t <= last:
             if gc_at is not None and t - gc_at >= retention_ms:
                 break  # a GC visit changes the layout
@@ -560,14 +563,6 @@ class _Idle:
                         step_msgs += c0 - r0
                 if score > hottest:  # noqa: PLR1730 - not max(): per segment per visit
                     hottest = score
-            if topic_c != c:  # max() of the four, unrolled
-                topic_c, topic = c, t0 / r0
-                if (x := t1 / r1) > topic:
-                    topic = x
-                if (x := t2 / r2) > topic:
-                    topic = x
-                if (x := t3 / r3) > topic:
-                    topic = x
             visits += 1
             nxt = times[c + 1] if c + 1 < n_times and times[c + 1] < end else end
             if gc_due is not None and gc_due < nxt:
@@ -577,7 +572,7 @@ class _Idle:
             ahead = -(-(nxt - t) // step_ms)
             following = t + (ahead if ahead > 1 else 1) * step_ms
             steps = ((following if following < end else end) - t) // step_ms
-            measure = (n, above, step_excess, step_msgs, hottest, topic)
+            measure = (n, above, step_excess, step_msgs, hottest, topic_at[c])
             if run_measures and run_measures[-1] == measure:
                 run_count[-1] += steps
             else:
@@ -585,31 +580,44 @@ class _Idle:
                 run_count.append(steps)
                 run_measures.append(measure)
             t = following
-        rates: Rates | None = None
         for g in range(ng):
-            if enabled and wrote[g] >= 0:
-                rates = Rates(*written[g])
-            snap = (
-                self.source.snapshot(wrote[g])
-                if self.n_buckets and enabled and wrote[g] >= 0
-                else None
+            self._hand_back(
+                [segs[i] for i in members[g]],
+                written[g],
+                written_at[g],
+                changed_at[g],
+                touched[g],
+                wrote[g],
+                stale_view,
             )
-            for i in members[g]:
-                sid, a, b, rep = segs[i]
-                rep.written, rep.written_at, rep.changed_at = (
-                    written[g],
-                    written_at[g],
-                    changed_at[g],
-                )
-                if touched[g]:
-                    stale_view.add(sid)
-                    if track_cold:
-                        rep.stale = False
-                if enabled and wrote[g] >= 0:
-                    rep.rates = rates
-                    if snap is not None:
-                        rep.buckets = snap.buckets(a, b, self.n_buckets)
         return t, change, writes, visits, until
+
+    def _hand_back(
+        self,
+        segs: list[tuple[int, int, int, _Reporter]],
+        written: RateTuple,
+        written_at: int,
+        changed_at: int,
+        touched: bool,
+        wrote: int,
+        stale_view: set[int],
+    ) -> None:
+        """Leave a group's record in its reporters as the general loop would have: the
+        record's rates (and histogram) only if written in this run (``wrote``: the change
+        index of its last write, or -1); the view entries of touched ones go stale."""
+        enabled = self.policy.enabled
+        rates = Rates(*written) if enabled and wrote >= 0 else None
+        snap = self.source.snapshot(wrote) if self.n_buckets and rates is not None else None
+        for sid, a, b, rep in segs:
+            rep.written, rep.written_at, rep.changed_at = written, written_at, changed_at
+            if touched:
+                stale_view.add(sid)
+                if self.track_cold:
+                    rep.stale = False
+            if rates is not None:
+                rep.rates = rates
+                if snap is not None:
+                    rep.buckets = snap.buckets(a, b, self.n_buckets)
 
     def _one(
         self,
@@ -626,7 +634,11 @@ class _Idle:
         runs: _Runs,
         until: int | None,
     ) -> tuple[int, int, int, int, int | None]:
-        """:meth:`run` when every segment evolves alike (one segment, or N equal static ones)."""
+        """:meth:`run` when every segment evolves alike (one segment, or N equal static ones).
+
+        Its loop repeats :meth:`run`'s per-visit steps on plain locals rather than
+        calling shared helpers: a call per visit would add a fifth to a visit that
+        costs about 2 us, and these are most of the replay's visits."""
         policy, enabled, track_cold = self.policy, self.policy.enabled, self.track_cold
         n = len(segs)
         sid0, a0, b0, rep0 = segs[0]
@@ -656,7 +668,7 @@ class _Idle:
         shares_of: object = None
         writes = visits = 0
         end = last + step_ms
-        topic_c, topic = -1, 0.0
+        topic_at = self.topic_at
         while t <= last:
             if gc_at is not None and t - gc_at >= retention_ms:
                 break  # a GC visit changes the layout
@@ -766,14 +778,6 @@ class _Idle:
             else:
                 above, step_excess, step_msgs = 0, 0.0, 0.0
                 hottest = score if score > 0.0 else 0.0
-            if topic_c != c:  # max() of the four, unrolled
-                topic_c, topic = c, t0 / r0
-                if (x := t1 / r1) > topic:
-                    topic = x
-                if (x := t2 / r2) > topic:
-                    topic = x
-                if (x := t3 / r3) > topic:
-                    topic = x
             visits += 1
             nxt = times[c + 1] if c + 1 < n_times and times[c + 1] < end else end
             if gc_due is not None and gc_due < nxt:
@@ -783,7 +787,7 @@ class _Idle:
             ahead = -(-(nxt - t) // step_ms)
             following = t + (ahead if ahead > 1 else 1) * step_ms
             steps = ((following if following < end else end) - t) // step_ms
-            measure = (n, above, step_excess, step_msgs, hottest, topic)
+            measure = (n, above, step_excess, step_msgs, hottest, topic_at[c])
             if run_measures and run_measures[-1] == measure:
                 run_count[-1] += steps
             else:
@@ -791,18 +795,7 @@ class _Idle:
                 run_count.append(steps)
                 run_measures.append(measure)
             t = following
-        rates = Rates(*written) if enabled and wrote >= 0 else None
-        snap = self.source.snapshot(wrote) if self.n_buckets and rates is not None else None
-        for sid, a, b, rep in segs:
-            rep.written, rep.written_at, rep.changed_at = written, written_at, changed_at
-            if touched:
-                stale_view.add(sid)
-                if track_cold:
-                    rep.stale = False
-            if rates is not None:
-                rep.rates = rates
-                if snap is not None:
-                    rep.buckets = snap.buckets(a, b, self.n_buckets)
+        self._hand_back(segs, written, written_at, changed_at, touched, wrote, stale_view)
         return t, change, writes, visits, until
 
 
