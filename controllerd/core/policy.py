@@ -1013,13 +1013,8 @@ def may_act_now(
     if isinstance(policy, PolicyInvalid) or not policy.enabled:
         return False
     active = layout.active_segments()
-    if max(consumers.values(), default=0) > len(active):
-        return True
-    s = policy.split_thresholds
-    for seg in active:
-        sample = loads.get(seg.segment_id)
-        if sample is not None and _over(sample.rates, s):
-            return True
+    if _hot_segments(active, loads, max(consumers.values(), default=0), policy):
+        return True  # decide's split rules (more consumers than segments counts as hot)
     if len(active) <= policy.min_segments:
         return False
     ripe = _cold_flags(active, loads, policy, now_ms)
@@ -1060,24 +1055,37 @@ def next_decision_ms(
         at_or_after(last_split_ms + split_ms)
     if last_merge_ms is not None and last_merge_ms >= 0:
         at_or_after(last_merge_ms + policy.merge_cooldown_seconds * 1000.0)
-    ttl_ms = policy.load_ttl_seconds * 1000.0
-    decay_ms = policy.merge_backoff_decay_seconds * 1000.0
     for seg in layout.active_segments():
         if policy.range_split_cooldown and len(seg.parent_ids) <= 1:
             at_or_after(seg.created_at_ms)
             at_or_after(seg.created_at_ms + split_ms)
         sample = loads.get(seg.segment_id)
-        if sample is None:
-            continue
-        since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
-        at_or_after(since + merge_window_ms(sample, policy, now_ms))
-        if ttl_ms > 0 and sample.sampled_at_ms is not None:
-            after(sample.sampled_at_ms + ttl_ms)
-        if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
-            last = sample.last_flipflop_ms
-            if last is not None:  # a flip-flop stamped ahead of now_ms: from `last` on
-                at_or_after(last + max(0, (now_ms - last) // decay_ms + 1) * decay_ms)
+        if sample is not None:
+            found.extend(_record_wakes(sample, policy, now_ms))
     return int(min(found)) if found else None
+
+
+def _record_wakes(sample: LoadSample, policy: PolicySettings, now_ms: int) -> list[int]:
+    """The times after ``now_ms`` at which time alone changes how ``decide`` judges this
+    record: its merge window ends, it goes stale, its backoff forgets a flip-flop."""
+    found: list[int] = []
+    since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
+    ends = since + merge_window_ms(sample, policy, now_ms)  # a ">=" turns true at its ceiling
+    if ends > now_ms:
+        found.append(math.ceil(ends))
+    ttl_ms = policy.load_ttl_seconds * 1000.0
+    if ttl_ms > 0 and sample.sampled_at_ms is not None:
+        stale = math.floor(sample.sampled_at_ms + ttl_ms) + 1  # a ">" turns true just after
+        if stale > now_ms:
+            found.append(stale)
+    if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
+        last = sample.last_flipflop_ms
+        if last is not None:  # a flip-flop stamped ahead of now_ms: from `last` on
+            decay_ms = policy.merge_backoff_decay_seconds * 1000.0
+            step = last + max(0, (now_ms - last) // decay_ms + 1) * decay_ms
+            if step > now_ms:
+                found.append(math.ceil(step))
+    return found
 
 
 def next_ripe_ms(
@@ -1097,28 +1105,12 @@ def next_ripe_ms(
     if isinstance(policy, PolicyInvalid) or not policy.enabled:
         return None
     found: list[int] = []
-    ttl_ms = policy.load_ttl_seconds * 1000.0
-    decay_ms = policy.merge_backoff_decay_seconds * 1000.0
     limits = policy.merge_thresholds
     for seg in layout.active_segments():
         sample = loads.get(seg.segment_id)
-        if sample is None or not below(sample.rates, limits):
-            continue
-        since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
-        ends = since + merge_window_ms(sample, policy, now_ms)
-        if ends > now_ms:
-            found.append(math.ceil(ends))
-        if ttl_ms > 0 and sample.sampled_at_ms is not None:
-            stale = math.floor(sample.sampled_at_ms + ttl_ms) + 1
-            if stale > now_ms:
-                found.append(stale)
-        if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
-            last = sample.last_flipflop_ms
-            if last is not None:  # a flip-flop stamped ahead of now_ms: from `last` on
-                step = last + max(0, (now_ms - last) // decay_ms + 1) * decay_ms
-                if step > now_ms:
-                    found.append(math.ceil(step))
-    return int(min(found)) if found else None
+        if sample is not None and below(sample.rates, limits):
+            found.extend(_record_wakes(sample, policy, now_ms))
+    return min(found) if found else None
 
 
 # --- the history decide's history-based rules read ------------------------------------------
