@@ -877,9 +877,9 @@ def simulate(
     segs: list[tuple[int, int, int, _Reporter]] = []
     ranges: Ranges = ()
     wake: int | None = None  # next_decision_ms after that NoAction
-    idle = False  # may_act said False on the records as they are; no decide or GC since
-    # decide said NoAction and may_act_now False: it will until `ripe`, across writes that
-    # keep every record on its side of each threshold (no decide, GC or operation since)
+    # may_act_now is False on the records as they are (no decide, GC or operation since):
+    # decide answers NoAction until `ripe` (None: until a record changes), across writes
+    # that keep every record on its side of each threshold
     waiting = False
     ripe: int | None = None  # with waiting: next_ripe_ms, when a pair could ripen
     fast = (
@@ -903,7 +903,7 @@ def simulate(
     )
 
     while t <= last:
-        if (idle or waiting) and fast is not None and layout is seg_layout:
+        if waiting and fast is not None and layout is seg_layout:
             t, moved, added, made, ripens = fast.run(
                 t,
                 change,
@@ -916,10 +916,10 @@ def simulate(
                 retention_ms,
                 stale_view,
                 runs,
-                None if idle else ripe,
+                ripe,
             )
-            if ripens is not None and (idle or ripens != ripe):  # cold pairs: decide by then
-                idle, waiting, ripe = False, True, ripens
+            if ripens is not None and ripens != ripe:  # new cold pairs: decide by then
+                ripe = ripens
                 wake = ripens if wake is None or ripens < wake else wake
             writes += added
             visited += made
@@ -1050,9 +1050,10 @@ def simulate(
                     )
             stale_view.clear()
         if not step_by_step and dirty and not may_act(layout, view, {}, policy):
-            dirty, wake, idle, waiting = False, None, True, False  # until a record changes
+            # may_act False: nothing can happen until a record changes
+            dirty, wake, waiting, ripe = False, None, True, None
         if step_by_step or dirty or (wake is not None and t >= wake):
-            idle = waiting = False
+            waiting = False
             for _ in range(MAX_OPS_PER_STEP):
                 seen = (
                     {sid: history.annotate(sid, s, t, policy) for sid, s in view.items()}
@@ -1121,7 +1122,7 @@ def simulate(
             while sealed and t - sealed[0][0] >= retention_ms:
                 due_ids.append(sealed.popleft()[1])
             layout = prune(layout, due_ids)
-            dirty, idle, waiting = True, False, False  # merge depths may have changed
+            dirty, waiting = True, False  # merge depths may have changed
             if check_layout:
                 check(layout)
 
@@ -1343,18 +1344,13 @@ def _centre(runs: _Runs, step_ms: int) -> int:
     window: deque[tuple[int, float]] = deque()  # (end of run, load), loads increasing
     best_rise, best_t = 0.0, -1
     for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
-        load = m[5]
-        if window:
-            since = t - RISE_MS
-            while window and window[0][0] <= since:
-                window.popleft()
-            if window:
-                low = window[0][1]
-                if low < RISE_FROM and load - low > best_rise:
-                    best_rise, best_t = load - low, t
-                while window and window[-1][1] >= load:
-                    window.pop()
-        window.append((t + count * step_ms, load))
+        while window and window[0][0] <= t - RISE_MS:
+            window.popleft()
+        if window and window[0][1] < RISE_FROM and m[5] - window[0][1] > best_rise:
+            best_rise, best_t = m[5] - window[0][1], t
+        while window and window[-1][1] >= m[5]:
+            window.pop()
+        window.append((t + count * step_ms, m[5]))
     return best_t if best_t >= 0 else runs.t[0]
 
 
