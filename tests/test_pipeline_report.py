@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 from typing import Any, Final
 
@@ -19,7 +20,16 @@ from controllerd.pipeline.report import (
     trace_figure,
     verdicts,
 )
-from controllerd.pipeline.simulate import Timeline, _downsample_runs, _expand, _Runs, downsample
+from controllerd.pipeline.simulate import (
+    RISE_FROM,
+    RISE_MS,
+    Measure,
+    RunArrays,
+    Timeline,
+    Totals,
+    _Runs,
+    downsample,
+)
 
 T0: Final = 1_420_070_400_000
 MINUTE: Final = 60_000
@@ -100,22 +110,118 @@ def test_pareto_plot_has_no_text_to_overlap_and_names_every_variant() -> None:
     assert ax.get_xlabel() and ax.get_ylabel()
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.integers(1, 40), st.integers(1, 5), st.floats(0, 5)), min_size=1, max_size=30
-    ),
-    st.integers(1, 50),
-)
-def test_timelines_from_runs_equal_the_per_step_ones(
-    runs: list[tuple[int, int, float]], points: int
-) -> None:
+def expand(runs: _Runs, step_ms: int) -> Timeline:
+    """The runs as one entry per step, plainly."""
+    ts: list[int] = []
+    load: list[float] = []
+    hot: list[float] = []
+    segs: list[int] = []
+    for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
+        ts.extend(range(t, t + count * step_ms, step_ms))
+        load.extend([m[5]] * count)
+        hot.extend([m[4]] * count)
+        segs.extend([m[0]] * count)
+    return Timeline(ts, load, hot, segs, [float(n) for n in segs])
+
+
+def totals_by_loop(runs: _Runs) -> Totals:
+    """What RunArrays.totals computes, as one plain loop over the runs (its oracle)."""
+    steps = segment_steps = above_steps = topic_above = spell = longest = max_n = 0
+    excess = msgs = late = 0.0
+    for count, (n, above, step_excess, step_msgs, hottest, _) in zip(
+        runs.count, runs.measures, strict=True
+    ):
+        steps += count
+        segment_steps += n * count
+        above_steps += above * count
+        excess += step_excess * count
+        msgs += step_msgs * count
+        max_n = max(max_n, n)
+        if hottest > 1.0:
+            topic_above += count
+            late += step_excess * (count if spell > 0 else count - 1)
+            spell += count
+            longest = max(longest, spell)
+        else:
+            spell = 0
+    return Totals(
+        steps, segment_steps, above_steps, topic_above, longest, max_n, excess, msgs, late
+    )
+
+
+def centre_by_loop(runs: _Runs, step_ms: int) -> int:
+    """RunArrays.centre as a sliding minimum over a monotonic deque (its oracle)."""
+    window: deque[tuple[int, float]] = deque()  # (end of run, load), loads increasing
+    best_rise, best_t = 0.0, -1
+    for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
+        while window and window[0][0] <= t - RISE_MS:
+            window.popleft()
+        if window and window[0][1] < RISE_FROM and m[5] - window[0][1] > best_rise:
+            best_rise, best_t = m[5] - window[0][1], t
+        while window and window[-1][1] >= m[5]:
+            window.pop()
+        window.append((t + count * step_ms, m[5]))
+    return best_t if best_t >= 0 else runs.t[0]
+
+
+def runs_of(rows: list[tuple[int, int, int, float, float, float]], step_ms: int) -> _Runs:
     r = _Runs()
     t = T0
-    for count, segments, load in runs:
-        r.add(t, count, (segments, 0, 0.0, 0.0, load / segments, load))
-        t += count * MINUTE
-    assert _downsample_runs(r, MINUTE, points) == downsample(_expand(r, MINUTE), points)
+    for count, segments, above, excess, hottest, load in rows:
+        measure: Measure = (segments, above, excess, excess * 7.5, hottest, load)
+        r.add(t, count, measure)
+        t += count * step_ms
+    return r
+
+
+RUN_ROWS = st.lists(
+    st.tuples(
+        st.integers(1, 90),
+        st.integers(1, 8),
+        st.integers(0, 8),
+        st.floats(0, 5),
+        st.sampled_from([0.0, 0.5, 1.0, 1.5]) | st.floats(0, 4),
+        st.sampled_from([0.0, 0.25, RISE_FROM, 2.0]) | st.floats(0, 6),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(RUN_ROWS, st.integers(1, 50), st.sampled_from([1_000, MINUTE, 300_000]))
+def test_run_arrays_equal_the_plain_loops_bit_for_bit(
+    rows: list[tuple[int, int, int, float, float, float]], points: int, step_ms: int
+) -> None:
+    r = runs_of(rows, step_ms)
+    arrays = RunArrays.of(r)
+    assert arrays.totals() == totals_by_loop(r)
+    assert arrays.centre(step_ms) == centre_by_loop(r, step_ms)
+    assert arrays.expand(step_ms) == expand(r, step_ms)
+    assert arrays.downsample(step_ms, points) == downsample(expand(r, step_ms), points)
+    zoom = arrays.zoom(step_ms, RISE_MS)
+    centre = arrays.centre(step_ms)
+    everything = expand(r, step_ms)
+    near = [i for i, t in enumerate(everything.t_ms) if abs(t - centre) <= RISE_MS / 2]
+    assert zoom.t_ms == [everything.t_ms[i] for i in near]
+    assert zoom.load == [everything.load[i] for i in near]
+
+
+def test_the_zoom_centres_on_the_steepest_rise_from_a_quiet_load() -> None:
+    quiet, busy = 0.2, 3.0
+    # two rises from quiet: a small one, then a steep one; a rise from a busy load
+    rows = [(60, 1, 0, 0.0, quiet, quiet), (5, 1, 0, 0.0, 1.0, 1.0), (60, 1, 0, 0.0, quiet, quiet)]
+    rows += [(2, 4, 4, 1.0, busy, busy), (120, 2, 0, 0.0, 1.0, 2.0), (3, 8, 8, 9.0, 5.0, 9.0)]
+    r = runs_of(rows, MINUTE)
+    steep = T0 + (60 + 5 + 60) * MINUTE
+    assert RunArrays.of(r).centre(MINUTE) == centre_by_loop(r, MINUTE) == steep
+    # a run that ended exactly an hour before has left the window
+    edge = runs_of(
+        [(10, 1, 0, 0.0, quiet, quiet), (60, 1, 0, 0.0, 1.0, 1.0), (1, 2, 2, 2.0, 1.5, 3.0)], MINUTE
+    )
+    assert RunArrays.of(edge).centre(MINUTE) == centre_by_loop(edge, MINUTE) == T0 + 10 * MINUTE
+    flat = runs_of([(100, 1, 0, 0.0, 0.9, 0.9)], MINUTE)
+    assert RunArrays.of(flat).centre(MINUTE) == T0
 
 
 def test_report_checks_the_issue_targets() -> None:

@@ -56,7 +56,11 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from itertools import chain
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
 
 from controllerd.config import LoadReportSettings
 from controllerd.core.layout import apply, check, initial_layout, prune
@@ -1211,165 +1215,224 @@ def _result(
     zoom_seconds: float,
     visited: int,
 ) -> SimResult:
-    steps = segment_steps = above_steps = topic_above = run = longest = 0
-    excess = excess_msgs = late = 0.0
-    max_n = 0
-    for count, (n, above, step_excess, msgs, hottest, _) in zip(
-        runs.count, runs.measures, strict=True
-    ):
-        steps += count
-        segment_steps += n * count
-        above_steps += above * count
-        excess += step_excess * count
-        excess_msgs += msgs * count
-        if n > max_n:  # noqa: PLR1730 - not max(): this runs per run
-            max_n = n
-        if hottest > 1.0:
-            topic_above += count
-            late += step_excess * (count if run > 0 else count - 1)
-            run += count
-            longest = max(longest, run)
-        else:
-            run = 0
+    arrays = RunArrays.of(runs)
+    totals = arrays.totals()
     metrics = Metrics(
-        segment_hours=segment_steps * dt / 3600.0,
-        seconds_above_threshold=above_steps * dt,
-        excess_load=excess * dt,
+        segment_hours=totals.segment_steps * dt / 3600.0,
+        seconds_above_threshold=totals.above_steps * dt,
+        excess_load=totals.excess * dt,
         splits=splits,
         merges=merges,
         flipflops=flipflops,
-        peak_segments=max(peak, max_n),
+        peak_segments=max(peak, totals.max_segments),
         operations=splits + merges,
         children_created=children,
-        mean_segments=segment_steps / steps if steps else 0.0,
-        topic_seconds_above_threshold=topic_above * dt,
-        longest_overload_seconds=longest * dt,
-        excess_messages=excess_msgs * dt,
-        late_excess_load=late * dt,
+        mean_segments=totals.segment_steps / totals.steps if totals.steps else 0.0,
+        topic_seconds_above_threshold=totals.topic_above * dt,
+        longest_overload_seconds=totals.longest * dt,
+        excess_messages=totals.excess_msgs * dt,
+        late_excess_load=totals.late * dt,
         load_writes=writes,
-        hours=steps * dt / 3600.0,
+        hours=totals.steps * dt / 3600.0,
     )
     return SimResult(
         metrics,
         log,
-        _downsample_runs(runs, step_ms, timeline_points),
-        _zoom_runs(runs, step_ms, zoom_seconds * 1000.0),
+        arrays.downsample(step_ms, timeline_points),
+        arrays.zoom(step_ms, zoom_seconds * 1000.0),
         layout,
         visited,
     )
 
 
-def _expand(runs: _Runs, step_ms: int, first: int = 0, stop: int | None = None) -> Timeline:
-    """Runs ``first`` to ``stop`` as one entry per step."""
-    ts: list[int] = []
-    load: list[float] = []
-    hot: list[float] = []
-    segs: list[int] = []
-    for t, count, m in zip(
-        runs.t[first:stop], runs.count[first:stop], runs.measures[first:stop], strict=True
-    ):
-        ts.extend(range(t, t + count * step_ms, step_ms))
-        load.extend([m[5]] * count)
-        hot.extend([m[4]] * count)
-        segs.extend([m[0]] * count)
-    return Timeline(ts, load, hot, segs, [float(n) for n in segs])
-
-
-def _downsample_runs(runs: _Runs, step_ms: int, points: int) -> Timeline:
-    """``downsample`` of the per-step timeline, computed from the runs directly."""
-    n = sum(runs.count)
-    size = max(1, math.ceil(n / max(1, points)))
-    if size == 1:
-        return _expand(runs, step_ms)
-    ts: list[int] = []
-    load: list[float] = []
-    hot: list[float] = []
-    segs: list[int] = []
-    seg_steps: list[int] = []
-    steps: list[int] = []
-    index = 0  # steps before the current run
-    bucket_end = 0  # the step at which the open bucket ends
-    for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
-        if index < bucket_end and index + count <= bucket_end:  # inside the open bucket
-            if m[5] > load[-1]:  # noqa: PLR1730 - not max(): this runs per run
-                load[-1] = m[5]
-            if m[4] > hot[-1]:  # noqa: PLR1730
-                hot[-1] = m[4]
-            if m[0] > segs[-1]:  # noqa: PLR1730
-                segs[-1] = m[0]
-            seg_steps[-1] += m[0] * count
-            steps[-1] += count
-            index += count
-            continue
-        offset = 0
-        while offset < count:
-            position = index + offset
-            take = min(count - offset, size - position % size)
-            if position % size == 0:  # a bucket starts here
-                bucket_end = position + size
-                ts.append(t + offset * step_ms)
-                load.append(m[5])
-                hot.append(m[4])
-                segs.append(m[0])
-                seg_steps.append(m[0] * take)
-                steps.append(take)
-            else:
-                if m[5] > load[-1]:  # noqa: PLR1730 - not max(): this runs per run
-                    load[-1] = m[5]
-                if m[4] > hot[-1]:  # noqa: PLR1730
-                    hot[-1] = m[4]
-                if m[0] > segs[-1]:  # noqa: PLR1730
-                    segs[-1] = m[0]
-                seg_steps[-1] += m[0] * take
-                steps[-1] += take
-            offset += take
-        index += count
-    return Timeline(ts, load, hot, segs, [a / b for a, b in zip(seg_steps, steps, strict=True)])
-
-
 RISE_MS: Final = 3_600_000
-"""The zoom centres on the steepest rise of the topic's load over this long (:func:`_centre`)."""
+"""The zoom centres on the steepest rise of the topic's load over this long
+(:meth:`RunArrays.centre`)."""
 
 
 RISE_FROM: Final = 0.5
 """...from a load below this (in split thresholds): a topic that light has merged down."""
 
 
-def _centre(runs: _Runs, step_ms: int) -> int:
-    """When the topic's load rose most within an hour from below :data:`RISE_FROM` (ties:
-    the first); else the start of the trace. Where a quiet topic suddenly needs several
-    segments is where the policies part ways; at the peak every variant has usually
-    caught up long before, and a topic that is never quiet only differs at its start,
-    where every policy begins from one segment."""
-    window: deque[tuple[int, float]] = deque()  # (end of run, load), loads increasing
-    best_rise, best_t = 0.0, -1
-    for t, count, m in zip(runs.t, runs.count, runs.measures, strict=True):
-        while window and window[0][0] <= t - RISE_MS:
-            window.popleft()
-        if window and window[0][1] < RISE_FROM and m[5] - window[0][1] > best_rise:
-            best_rise, best_t = m[5] - window[0][1], t
-        while window and window[-1][1] >= m[5]:
-            window.pop()
-        window.append((t + count * step_ms, m[5]))
-    return best_t if best_t >= 0 else runs.t[0]
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """What a replay's runs add up to, in steps; ``excess``, ``excess_msgs`` and ``late``
+    in threshold-steps (msg/s-steps for ``excess_msgs``)."""
+
+    steps: int
+    segment_steps: int
+    above_steps: int
+    #: steps at which some segment was above its threshold
+    topic_above: int
+    #: the longest such spell
+    longest: int
+    max_segments: int
+    excess: float
+    excess_msgs: float
+    #: excess beyond each spell's first step, which no policy can avoid
+    late: float
 
 
-def _zoom_runs(runs: _Runs, step_ms: int, span_ms: float) -> Timeline:
-    """Full resolution within ``span_ms / 2`` of :func:`_centre`."""
-    if not runs.t:
-        return Timeline([], [], [], [], [])
-    centre = _centre(runs, step_ms)
-    first = bisect.bisect_right(runs.t, centre - span_ms / 2) - 1
-    stop = bisect.bisect_right(runs.t, centre + span_ms / 2)
-    near = _expand(runs, step_ms, max(0, first), stop)
-    keep = [i for i, t in enumerate(near.t_ms) if abs(t - centre) <= span_ms / 2]
-    return Timeline(
-        [near.t_ms[i] for i in keep],
-        [near.load[i] for i in keep],
-        [near.hottest[i] for i in keep],
-        [near.segments[i] for i in keep],
-        [near.segments_mean[i] for i in keep],
-    )
+@dataclass(frozen=True, slots=True)
+class RunArrays:
+    """A replay's runs as columns, for the passes over them once the replay is done.
+
+    A month of 5-minute load is ~8,600 runs, and the three passes (totals,
+    timeline, zoom) cost a fifth of a replay as Python loops; as array operations
+    a few percent. Each result equals the plain loops' bit for bit (a test keeps
+    those loops as its oracle): float sums add one term at a time in run order
+    (``cumsum``, not the pairwise ``sum``), and a float times a count, an int
+    over an int and a maximum round the same in both. Runs tile the steps: each
+    starts where the one before ended, and none is empty.
+    """
+
+    t: npt.NDArray[np.int64]
+    count: npt.NDArray[np.int64]
+    #: the step index at which each run starts
+    first: npt.NDArray[np.int64]
+    segments: npt.NDArray[np.int64]
+    above: npt.NDArray[np.int64]
+    excess: npt.NDArray[np.float64]
+    msgs: npt.NDArray[np.float64]
+    hottest: npt.NDArray[np.float64]
+    load: npt.NDArray[np.float64]
+
+    @classmethod
+    def of(cls, runs: _Runs) -> RunArrays:
+        count = np.array(runs.count, dtype=np.int64)
+        flat = chain.from_iterable(runs.measures)  # faster than from a list of tuples
+        m = np.fromiter(flat, np.float64, 6 * len(runs.measures)).reshape(-1, 6)
+        return cls(
+            np.array(runs.t, dtype=np.int64),
+            count,
+            np.cumsum(count) - count,
+            m[:, 0].astype(np.int64),
+            m[:, 1].astype(np.int64),
+            m[:, 2],
+            m[:, 3],
+            m[:, 4],
+            m[:, 5],
+        )
+
+    def totals(self) -> Totals:
+        count = self.count
+        if not len(count):
+            return Totals(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0)
+        hot = self.hottest > 1.0
+        after_hot = np.concatenate(([False], hot[:-1]))
+        before_hot = np.concatenate((hot[1:], [False]))
+        # a spell's first step is not late: a hot run after a calm one counts a step less
+        late = np.where(hot, self.excess * np.where(after_hot, count, count - 1), 0.0)
+        hot_steps = np.where(hot, count, 0)
+        through = np.cumsum(hot_steps)
+        starts, ends = np.flatnonzero(hot & ~after_hot), np.flatnonzero(hot & ~before_hot)
+        spells = through[ends] - through[starts] + hot_steps[starts]
+        return Totals(
+            steps=int(count.sum()),
+            segment_steps=int((self.segments * count).sum()),
+            above_steps=int((self.above * count).sum()),
+            topic_above=int(through[-1]),
+            longest=int(spells.max()) if len(spells) else 0,
+            max_segments=int(self.segments.max()),
+            excess=float(np.cumsum(self.excess * count)[-1]),
+            excess_msgs=float(np.cumsum(self.msgs * count)[-1]),
+            late=float(np.cumsum(late)[-1]),
+        )
+
+    def _steps(
+        self, step_ms: int, first: int = 0, stop: int | None = None
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Runs ``first`` to ``stop``, one entry per step: each step's time and run."""
+        count = self.count[first:stop]
+        run = np.repeat(np.arange(first, first + len(count), dtype=np.int64), count)
+        if not len(run):
+            return run, run
+        index = np.arange(self.first[first], self.first[first] + len(run), dtype=np.int64)
+        return self.t[run] + (index - self.first[run]) * step_ms, run
+
+    def _timeline(self, at: npt.NDArray[np.int64], run: npt.NDArray[np.int64]) -> Timeline:
+        segments = self.segments[run]
+        return Timeline(
+            at.tolist(),
+            self.load[run].tolist(),
+            self.hottest[run].tolist(),
+            segments.tolist(),
+            segments.astype(np.float64).tolist(),
+        )
+
+    def expand(self, step_ms: int) -> Timeline:
+        """Every step."""
+        return self._timeline(*self._steps(step_ms))
+
+    def downsample(self, step_ms: int, points: int) -> Timeline:
+        """:func:`downsample` of :meth:`expand`, from the runs: a bucket's maxima are those
+        of the runs it overlaps, its segment-steps a difference of running totals."""
+        total = int(self.count.sum())
+        size = max(1, math.ceil(total / max(1, points)))
+        if size == 1:
+            return self.expand(step_ms)
+        starts = np.arange(0, total, size, dtype=np.int64)
+        stops = np.minimum(starts + size, total)
+        opening = np.searchsorted(self.first, starts, side="right") - 1
+        closing = np.searchsorted(self.first, stops - 1, side="right") - 1
+        before = np.cumsum(self.segments * self.count) - self.segments * self.count
+
+        def segment_steps(step: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+            run = np.searchsorted(self.first, step, side="right") - 1
+            steps: npt.NDArray[np.int64] = before[run] + self.segments[run] * (
+                step - self.first[run]
+            )
+            return steps
+
+        def peak(x: npt.NDArray[np.float64] | npt.NDArray[np.int64]) -> list[Any]:
+            # runs opening[b] .. opening[b+1]-1, and the one that carries into bucket b+1
+            peaks: list[Any] = np.maximum(np.maximum.reduceat(x, opening), x[closing]).tolist()
+            return peaks
+
+        return Timeline(
+            (self.t[opening] + (starts - self.first[opening]) * step_ms).tolist(),
+            peak(self.load),
+            peak(self.hottest),
+            peak(self.segments),
+            ((segment_steps(stops) - segment_steps(starts)) / (stops - starts)).tolist(),
+        )
+
+    def centre(self, step_ms: int) -> int:
+        """When the topic's load rose most within an hour from below :data:`RISE_FROM` (ties:
+        the first); else the start of the trace. Where a quiet topic suddenly needs several
+        segments is where the policies part ways; at the peak every variant has usually
+        caught up long before, and a topic that is never quiet only differs at its start,
+        where every policy begins from one segment.
+
+        A run's rise is its load over the lowest load of the runs before it that end
+        within the hour; that minimum over a sliding range comes from a sparse table
+        (level ``k`` holds the minimum of each ``2**k`` runs)."""
+        load = self.load
+        ends = self.t + self.count * step_ms
+        lo = np.searchsorted(ends, self.t - RISE_MS, side="right")
+        width = np.arange(len(load), dtype=np.int64) - lo  # runs lo .. i-1 are the window
+        level_of = np.frexp(width.astype(np.float64))[1] - 1  # floor(log2(width)); -1 if 0
+        lowest = np.full(len(load), np.inf)
+        level, k = load, 0
+        while len(level) and (1 << k) <= width.max():
+            pick = np.flatnonzero(level_of == k)
+            lowest[pick] = np.minimum(level[lo[pick]], level[pick - (1 << k)])
+            level = np.minimum(level[: -(1 << k)], level[(1 << k) :])
+            k += 1
+        rise = np.where(lowest < RISE_FROM, load - lowest, 0.0)
+        best = int(np.argmax(rise)) if len(rise) else 0
+        return int(self.t[best]) if len(rise) and rise[best] > 0.0 else int(self.t[0])
+
+    def zoom(self, step_ms: int, span_ms: float) -> Timeline:
+        """Full resolution within ``span_ms / 2`` of :meth:`centre`."""
+        if not len(self.t):
+            return Timeline([], [], [], [], [])
+        centre = self.centre(step_ms)
+        first = int(np.searchsorted(self.t, centre - span_ms / 2, side="right")) - 1
+        stop = int(np.searchsorted(self.t, centre + span_ms / 2, side="right"))
+        at, run = self._steps(step_ms, max(0, first), stop)
+        keep = np.abs(at - centre) <= span_ms / 2
+        return self._timeline(at[keep], run[keep])
 
 
 def downsample(timeline: Timeline, points: int) -> Timeline:
