@@ -15,6 +15,7 @@ import pytest
 from controllerd.pipeline.engines import (
     RATE_COLUMNS,
     RunOptions,
+    batches,
     frame_trace,
     package_zip,
     run_local,
@@ -105,6 +106,25 @@ def variants() -> list[Variant]:
 
 def metrics(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[["trace", "variant", *METRIC_COLUMNS]]
+
+
+def test_a_fleet_s_batches_keep_each_trace_s_variants_together(variants: list[Variant]) -> None:
+    many = [bursty(f"t{i}", 24 + i, 12) for i in range(20)]
+    work = batches(many, variants, slots=2)
+    assert len(work) == 8  # 4 tasks per slot
+    pairs = [pair for batch in work for pair in batch]
+    assert sorted(pairs) == sorted((t.name, v.name) for t in many for v in variants)
+    for batch in work:  # each trace's variants in one batch, one after the other
+        names = [trace for trace, _ in batch]
+        for i in range(0, len(names), len(variants)):
+            assert len(set(names[i : i + len(variants)])) == 1
+    # the longest traces go first, each to the least loaded task: loads within a trace
+    steps = [sum(24 + int(t[1:]) for t, _ in batch) for batch in work]
+    assert max(steps) - min(steps) <= 43 * len(variants)
+    # fewer traces than tasks: their pairs spread one by one so every core has work
+    few = batches(many[:3], variants, slots=2)
+    assert len(few) == 8
+    assert any(len({t for t, _ in batch}) > 1 for batch in few) or len(few) > 3
 
 
 def test_trace_frames_round_trip_in_any_row_order() -> None:

@@ -49,7 +49,14 @@ import pandas as pd
 import controllerd
 from controllerd.core.model import Rates
 from controllerd.errors import EXIT_UNAVAILABLE, EXIT_USAGE, OperatorError
-from controllerd.pipeline.load import MAX_STAMP_MS, Skew, Trace, source_for
+from controllerd.pipeline.load import (
+    MAX_STAMP_MS,
+    LoadSource,
+    SeriesLoad,
+    Skew,
+    Trace,
+    source_for,
+)
 from controllerd.pipeline.simulate import METRIC_COLUMNS, SimResult, Strategy, Timeline, simulate
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, Variant
 
@@ -162,15 +169,29 @@ class GroupRunner:
     def run(self, trace: Trace, variant: str) -> pd.DataFrame:
         return pd.DataFrame([self.row(trace, variant)])
 
-    def row(self, trace: Trace, variant: str) -> dict[str, Any]:
+    def row(self, trace: Trace, variant: str, source: LoadSource | None = None) -> dict[str, Any]:
+        """``source``: the trace's, when the caller replays several variants on it (a
+        replay only reads it, and what it works out once per trace it keeps)."""
         opts = self.options
         result = simulate(
-            source_for(trace, opts.skew, opts.seed),
+            source if source is not None else source_for(trace, opts.skew, opts.seed),
             self.strategies[variant],
             opts.reference,
             timeline_points=opts.timeline_points,
         )
         return result_row(trace.name, variant, result)
+
+    def rows(self, trace: Trace, variants: Sequence[str]) -> pd.DataFrame:
+        """Every variant of one trace, on one source if it is a series."""
+        source = shared_source(trace, self.options)
+        return pd.DataFrame([self.row(trace, v, source) for v in variants])
+
+
+def shared_source(trace: Trace, options: RunOptions) -> LoadSource | None:
+    """A source every variant of ``trace`` can replay on, or None: a series is only read
+    (:class:`SeriesLoad`), a recorded history is read forward once."""
+    source = source_for(trace, options.skew, options.seed)
+    return source if isinstance(source, SeriesLoad) else None
 
 
 def _udf(runner: GroupRunner) -> Callable[[pd.DataFrame], pd.DataFrame]:
@@ -193,25 +214,36 @@ GROUPS_PER_TASK: Final = 64
 def batches(traces: Sequence[Trace], variants: Sequence[Variant], slots: int) -> list[Batch]:
     """The pairs in tasks of about equal work, longest replays first to the least loaded
     task: 4 tasks per slot while that leaves fewer than :data:`GROUPS_PER_TASK` per task
-    (so a few long traces still spread over every core), else that many per task."""
-    work = sorted(
+    (so a few long traces still spread over every core), else that many per task.
+
+    A trace's variants stay together, one after the other, when there are at least as
+    many traces as tasks: they share one source (what a replay works out once per trace,
+    such as its change times and topic load, is then worked out once). With fewer
+    traces the pairs are spread one by one, so every core has work."""
+    per_trace = [
         (
-            (
-                (t.t_ms[-1] - t.t_ms[0]) / (v.strategy.interval_seconds * 1000.0) + 1.0,
-                t.name,
-                v.name,
-            )
-            for t in traces
-            for v in variants
-        ),
-        key=lambda w: -w[0],
-    )
-    count = min(len(work), max(4 * max(1, slots), -(-len(work) // GROUPS_PER_TASK)))
+            (t.t_ms[-1] - t.t_ms[0]) / (v.strategy.interval_seconds * 1000.0) + 1.0,
+            t.name,
+            v.name,
+        )
+        for t in traces
+        for v in variants
+    ]
+    count = min(len(per_trace), max(4 * max(1, slots), -(-len(per_trace) // GROUPS_PER_TASK)))
+    units: list[tuple[float, list[tuple[str, str]]]] = []
+    if len(traces) >= count:
+        step = max(1, len(variants))
+        for i in range(0, len(per_trace), step):
+            chunk = per_trace[i : i + step]
+            units.append((sum(w for w, _, _ in chunk), [(t, v) for _, t, v in chunk]))
+    else:
+        units = [(w, [(t, v)]) for w, t, v in per_trace]
+    units.sort(key=lambda u: -u[0])
     loads = [(0.0, i) for i in range(count)]
     out: list[Batch] = [[] for _ in range(count)]
-    for steps, trace, variant in work:
+    for steps, pairs in units:
         load, i = heapq.heappop(loads)
-        out[i].append((trace, variant))
+        out[i].extend(pairs)
         heapq.heappush(loads, (load + steps, i))
     return [b for b in out if b]
 
@@ -220,13 +252,19 @@ def _batch_task(
     runner: GroupRunner, traces: Broadcast[dict[str, Trace]]
 ) -> Callable[[Iterable[Batch]], Iterator[pd.DataFrame]]:
     """A task's function: its batch's result rows as one frame. The traces come from the
-    broadcast, which each executor fetches once, not once per group."""
+    broadcast, which each executor fetches once, not once per group; consecutive pairs
+    of one trace replay on one source."""
 
     def apply(batch_list: Iterable[Batch]) -> Iterator[pd.DataFrame]:
         for batch in batch_list:
-            yield pd.DataFrame(
-                [runner.row(traces.value[trace], variant) for trace, variant in batch]
-            )
+            rows = []
+            source: tuple[str, LoadSource | None] | None = None
+            for name, variant in batch:
+                trace = traces.value[name]
+                if source is None or source[0] != name:
+                    source = (name, shared_source(trace, runner.options))
+                rows.append(runner.row(trace, variant, source[1]))
+            yield pd.DataFrame(rows)
 
     return apply
 
@@ -291,26 +329,27 @@ def run_local(
     ``workers=1`` runs in this process, which is what tests and profilers want.
     """
     runner = GroupRunner({v.name: v.strategy for v in variants}, options)
-    frames = {t.name: trace_frame(t) for t in traces}
-    jobs = [(t.name, v.name) for t in traces for v in variants]
+    names = [v.name for v in variants]
+    total = len(traces) * len(names)
     count = workers or os.cpu_count() or 1
     done: list[pd.DataFrame] = []
+    replayed = 0
     if count == 1:
-        for trace, variant in jobs:
-            done.append(runner(frames[trace].assign(variant=variant)))
+        for trace in traces:
+            done.append(runner.rows(trace, names))
+            replayed += len(names)
             if progress:
-                progress(len(done), len(jobs))
+                progress(replayed, total)
     else:
-        # spawn: a fork would copy whatever threads the caller runs (an event loop, a JVM).
+        # One job per trace: its variants share one source. spawn: a fork would copy
+        # whatever threads the caller runs (an event loop, a JVM).
         with ProcessPoolExecutor(max_workers=count, mp_context=get_context("spawn")) as pool:
-            futures = [
-                pool.submit(runner, frames[trace].assign(variant=variant))
-                for trace, variant in jobs
-            ]
+            futures = [pool.submit(runner.rows, trace, names) for trace in traces]
             for future in as_completed(futures):
                 done.append(future.result())
+                replayed += len(names)
                 if progress:
-                    progress(len(done), len(jobs))
+                    progress(replayed, total)
     return _ordered(pd.concat(done, ignore_index=True), traces, variants)
 
 

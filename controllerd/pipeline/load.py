@@ -28,7 +28,10 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Final, Literal, Protocol
+
+import numpy as np
 
 from controllerd.core.model import HASH_MAX, HASH_SPACE, Rates
 
@@ -346,7 +349,10 @@ class _SeriesSnapshot:
 
 class SeriesLoad:
     """A topic total over time, spread over the hash space by a :class:`Spread` (which may
-    move at given times)."""
+    move at given times).
+
+    A replay only reads it, and what it keeps (change lists, the topic's load, shares)
+    is the same for every reader: every variant of a trace may replay on one."""
 
     def __init__(
         self,
@@ -364,6 +370,8 @@ class SeriesLoad:
         self._rows: list[int] = []
         self._spreads: list[Spread] = []
         self._memo = _ShareMemo()
+        self._changes: tuple[list[RateTuple], list[Spread]] | None = None
+        self._topic: dict[RateTuple, list[float]] = {}
         self.uniform = all(isinstance(s, UniformSpread) for s in spreads)
         row = move = 0  # the last row and move at or before t (both lists are sorted)
         n_rows, n_moves = len(t_ms), len(spread_times)
@@ -419,8 +427,23 @@ class SeriesLoad:
         """The totals and the spread from each change time on: what :meth:`snapshot` of
         that index holds, for a caller that computes a range's load itself (as
         ``(t0 * s, t1 * s, t2 * s, t3 * s)`` with ``s = spread.share(start, end)``,
-        bit for bit :meth:`Snapshot.loads`)."""
-        return [self._totals[r] for r in self._rows], self._spreads
+        bit for bit :meth:`Snapshot.loads`). Kept: every variant replayed on this source
+        asks, and the lists are read only."""
+        if self._changes is None:
+            self._changes = ([self._totals[r] for r in self._rows], self._spreads)
+        return self._changes
+
+    def topic_loads(self, reference: RateTuple) -> list[float]:
+        """The topic's load from each change on in units of ``reference``: the highest of
+        its four rates over the reference's, as ``max(t0 / r0, ..., t3 / r3)`` gives it bit
+        for bit (IEEE division and maximum round alike in numpy). Kept per reference."""
+        loads = self._topic.get(reference)
+        if loads is None:
+            totals = self.changes()[0]
+            flat = np.fromiter(chain.from_iterable(totals), np.float64, 4 * len(totals))
+            ratios = flat.reshape(-1, 4) / np.array(reference, dtype=np.float64)
+            loads = self._topic[reference] = np.max(ratios, axis=1).tolist()
+        return loads
 
     def snapshot(self, index: int) -> Snapshot:
         return _SeriesSnapshot(self._totals[self._rows[index]], self._spreads[index], self._memo)

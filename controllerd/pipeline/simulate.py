@@ -379,9 +379,8 @@ class _Idle:
         self.n_buckets = n_buckets
         self.split = policy.split_thresholds.as_tuple()
         self.merge = policy.merge_thresholds.as_tuple()
-        r0, r1, r2, r3 = reference
         #: the topic's load from each change on, as the general loop measures it
-        self.topic_at = [max(t0 / r0, t1 / r1, t2 / r2, t3 / r3) for t0, t1, t2, t3 in self.totals]
+        self.topic_at = source.topic_loads(reference)
 
     def run(
         self,
