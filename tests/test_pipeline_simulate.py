@@ -232,3 +232,42 @@ def test_a_snapshots_plain_load_equals_its_rates(skew: str) -> None:
             expected = [snap.rates(start, end).as_tuple() for start, end in ranges]
             assert snap.loads(tuple(ranges)) == expected
             assert snap.loads(tuple(ranges[1:])) == expected[1:]  # another layout
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 400_000), min_size=1, max_size=30),
+    st.sampled_from([1_000, MINUTE, 90_000]),
+    st.sampled_from(["uniform", "hotspot:0.5:0.05"]),
+)
+def test_next_visits_are_the_steps_at_which_the_load_changed(
+    gaps: list[int], step_ms: int, skew: str
+) -> None:
+    """``next_visits`` against walking every step: after a visit at which change ``c``
+    holds, the next step whose change differs is ``after[c]``, and there ``then[c]``."""
+    t_ms = [T0]
+    for gap in gaps:
+        t_ms.append(t_ms[-1] + gap)
+    n = len(t_ms)
+    trace = Trace(
+        "t",
+        "series",
+        t_ms,
+        [0] * n,
+        [0xFFFF] * n,
+        [(float(i % 3), 1.0, 1.0, 1.0) for i in range(n)],
+    )
+    source = source_for(trace, Skew.parse(skew), seed=1)
+    times = list(source.change_times())
+    after, then = source.next_visits(step_ms)
+    assert source.next_visits(step_ms) == (after, then)  # kept
+    end = source.last_ms + step_ms
+    steps = list(range(source.start_ms, end, step_ms))
+    change_at = [max(i for i, x in enumerate(times) if x <= t) for t in steps]
+    for c in set(change_at):
+        first = change_at.index(c)
+        later = [k for k in range(first, len(steps)) if change_at[k] != c]
+        if later:
+            assert (after[c], then[c]) == (steps[later[0]], change_at[later[0]])
+        else:  # no change after c: the replay runs to its end
+            assert after[c] >= end and after[c] - end < step_ms

@@ -372,6 +372,7 @@ class SeriesLoad:
         self._memo = _ShareMemo()
         self._changes: tuple[list[RateTuple], list[Spread]] | None = None
         self._topic: dict[RateTuple, list[float]] = {}
+        self._visits: dict[int, tuple[list[int], list[int]]] = {}
         self.uniform = all(isinstance(s, UniformSpread) for s in spreads)
         row = move = 0  # the last row and move at or before t (both lists are sorted)
         n_rows, n_moves = len(t_ms), len(spread_times)
@@ -444,6 +445,23 @@ class SeriesLoad:
             ratios = flat.reshape(-1, 4) / np.array(reference, dtype=np.float64)
             loads = self._topic[reference] = np.max(ratios, axis=1).tolist()
         return loads
+
+    def next_visits(self, step_ms: int) -> tuple[list[int], list[int]]:
+        """For a replay that steps by ``step_ms`` from :attr:`start_ms` and visits a step
+        when the load changed: after a visit at which change ``c`` holds, the next visit
+        is at ``after[c]`` (the first step at or after change ``c + 1``; past the last
+        step, ``last_ms + step_ms`` rounded up to a step, when there is none), and change
+        ``then[c]`` holds there. Kept per step."""
+        tables = self._visits.get(step_ms)
+        if tables is None:
+            start, end = self.start_ms, self.last_ms + step_ms
+            times = np.array(self._times, dtype=np.int64)
+            upcoming = np.append(times[1:], end)
+            upcoming[upcoming >= end] = end
+            after = start - (start - upcoming) // step_ms * step_ms  # rounded up to a step
+            then = np.searchsorted(times, after, side="right") - 1
+            tables = self._visits[step_ms] = (after.tolist(), then.tolist())
+        return tables
 
     def snapshot(self, index: int) -> Snapshot:
         return _SeriesSnapshot(self._totals[self._rows[index]], self._spreads[index], self._memo)

@@ -366,6 +366,7 @@ class _Idle:
     ) -> None:
         self.source = source
         self.times = source.change_times()
+        self.after, self.then = source.next_visits(step_ms)
         self.totals, self.spreads = source.changes()
         self.uniform = source.uniform
         self.gate = gate
@@ -462,18 +463,19 @@ class _Idle:
         kinds = [0] * ng  # 0: nothing, 1: a heartbeat, 2: a new record
         dues = [0] * ng
         end = last + step_ms
-        gc_at = sealed[0][0] if retention_ms >= 0 and sealed else None
-        gc_due = gc_at + math.ceil(retention_ms) if gc_at is not None else None
+        after, then = self.after, self.then
+        # the first step at which a GC is due, or decide must be asked again (else past end)
+        cut = sealed[0][0] + math.ceil(retention_ms) if retention_ms >= 0 and sealed else end
+        if until is not None and until < cut:
+            cut = until
+        c = change
+        while c + 1 < n_times and times[c + 1] <= t:
+            c += 1
         run_t, run_count, run_measures = runs.t, runs.count, runs.measures
         topic_at = self.topic_at
         while t <= last:
-            if gc_at is not None and t - gc_at >= retention_ms:
-                break  # a GC visit changes the layout
-            if until is not None and t >= until:
-                break  # decide's answer may change with time from here on
-            c = change
-            while c + 1 < n_times and times[c + 1] <= t:
-                c += 1
+            if t >= cut:
+                break  # a GC changes the layout, or decide's answer may change with time
             spread = spreads[c]
             if spread is not shares_of:
                 shares_of = spread
@@ -531,6 +533,7 @@ class _Idle:
             # commit the visit
             if visit_until is not None and (until is None or visit_until < until):
                 until = visit_until
+                cut = min(cut, until)
             change = c
             for g in range(ng):
                 kind, due = kinds[g], dues[g]
@@ -567,13 +570,9 @@ class _Idle:
                 if score > hottest:  # noqa: PLR1730 - not max(): per segment per visit
                     hottest = score
             visits += 1
-            nxt = times[c + 1] if c + 1 < n_times and times[c + 1] < end else end
-            if gc_due is not None and gc_due < nxt:
-                nxt = gc_due
-            if until is not None and until < nxt:
-                nxt = until
-            ahead = -(-(nxt - t) // step_ms)
-            following = t + (ahead if ahead > 1 else 1) * step_ms
+            following = after[c]
+            if following > cut:  # the first step at or after it (cut > t here)
+                following = t - (t - cut) // step_ms * step_ms
             steps = ((following if following < end else end) - t) // step_ms
             measure = (n, above, step_excess, step_msgs, hottest, topic_at[c])
             if run_measures and run_measures[-1] == measure:
@@ -582,7 +581,7 @@ class _Idle:
                 run_t.append(t)
                 run_count.append(steps)
                 run_measures.append(measure)
-            t = following
+            t, c = following, then[c]
         for g in range(ng):
             self._hand_back(
                 [segs[i] for i in members[g]],
@@ -664,22 +663,23 @@ class _Idle:
         times, totals, spreads = self.times, self.totals, self.spreads
         n_times = len(times)
         step_ms, heartbeat_ms, hb_ms, lazy = self.step_ms, self.heartbeat_ms, self.hb_ms, self.lazy
-        gc_at = sealed[0][0] if retention_ms >= 0 and sealed else None
-        gc_due = gc_at + math.ceil(retention_ms) if gc_at is not None else None
+        end = last + step_ms
+        after, then = self.after, self.then
+        # the first step at which a GC is due, or decide must be asked again (else past end)
+        cut = sealed[0][0] + math.ceil(retention_ms) if retention_ms >= 0 and sealed else end
+        if until is not None and until < cut:
+            cut = until
+        c = change
+        while c + 1 < n_times and times[c + 1] <= t:
+            c += 1
         run_t, run_count, run_measures = runs.t, runs.count, runs.measures
         share = 0.0
         shares_of: object = None
         writes = visits = 0
-        end = last + step_ms
         topic_at = self.topic_at
         while t <= last:
-            if gc_at is not None and t - gc_at >= retention_ms:
-                break  # a GC visit changes the layout
-            if until is not None and t >= until:
-                break  # decide's answer may change with time from here on
-            c = change
-            while c + 1 < n_times and times[c + 1] <= t:
-                c += 1
+            if t >= cut:
+                break  # a GC changes the layout, or decide's answer may change with time
             spread = spreads[c]
             if spread is not shares_of:
                 shares_of, share = spread, spread.share(a0, b0)
@@ -751,6 +751,7 @@ class _Idle:
                         break
                     if until is None or ripens < until:
                         until = ripens
+                        cut = min(cut, until)
                 writes += (due + 1) * n
                 touched = True
                 written, written_at, changed_at, wrote = (c0, c1, c2, c3), t, t, c
@@ -782,13 +783,9 @@ class _Idle:
                 above, step_excess, step_msgs = 0, 0.0, 0.0
                 hottest = score if score > 0.0 else 0.0
             visits += 1
-            nxt = times[c + 1] if c + 1 < n_times and times[c + 1] < end else end
-            if gc_due is not None and gc_due < nxt:
-                nxt = gc_due
-            if until is not None and until < nxt:
-                nxt = until
-            ahead = -(-(nxt - t) // step_ms)
-            following = t + (ahead if ahead > 1 else 1) * step_ms
+            following = after[c]
+            if following > cut:  # the first step at or after it (cut > t here)
+                following = t - (t - cut) // step_ms * step_ms
             steps = ((following if following < end else end) - t) // step_ms
             measure = (n, above, step_excess, step_msgs, hottest, topic_at[c])
             if run_measures and run_measures[-1] == measure:
@@ -797,7 +794,7 @@ class _Idle:
                 run_t.append(t)
                 run_count.append(steps)
                 run_measures.append(measure)
-            t = following
+            t, c = following, then[c]
         self._hand_back(segs, written, written_at, changed_at, touched, wrote, stale_view)
         return t, change, writes, visits, until
 
