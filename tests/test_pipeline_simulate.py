@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from controllerd.config import LoadReportSettings
 from controllerd.core.model import PolicySettings
-from controllerd.pipeline.load import HistoryLoad, Skew, Trace, source_for
+from controllerd.pipeline.load import HistoryLoad, SeriesLoad, Skew, Trace, source_for
 from controllerd.pipeline.simulate import SimResult, Strategy, simulate
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, controllerd, pip483, static
 
@@ -258,6 +258,7 @@ def test_next_visits_are_the_steps_at_which_the_load_changed(
         [(float(i % 3), 1.0, 1.0, 1.0) for i in range(n)],
     )
     source = source_for(trace, Skew.parse(skew), seed=1)
+    assert isinstance(source, SeriesLoad)
     times = list(source.change_times())
     after, then = source.next_visits(step_ms)
     assert source.next_visits(step_ms) == (after, then)  # kept
