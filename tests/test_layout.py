@@ -119,6 +119,12 @@ def test_prune_removes_links_and_refuses_active_or_orphaning() -> None:
     assert pruned.segments[3].parent_ids == () and pruned.segments[2].parent_ids == ()
     assert pruned.next_segment_id == lay.next_segment_id and violations(pruned) == []
     assert prune(prune(lay, [0]), [1]).segments.keys() == {2, 3, 4}
+    assert prune(lay, [0]).segments[3] is lay.segments[3]  # linked to none of them: kept as is
+    # a one-sided link (a layout read as it is) goes too, parent or child
+    odd = dataclasses.replace(lay.segments[2], parent_ids=(0, 1), child_ids=(1, 7))
+    skewed = dataclasses.replace(lay, segments={**lay.segments, 2: odd})
+    cut = prune(skewed, [0, 1])
+    assert (cut.segments[2].parent_ids, cut.segments[2].child_ids) == ((), (7,))
 
 
 def test_merge_depth_counts_merge_nodes_in_ancestry() -> None:

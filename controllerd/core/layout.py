@@ -211,15 +211,16 @@ def prune(layout: Layout, segment_ids: Iterable[int]) -> Layout:
                 f"segment {sid} still has parent(s) {kept_parents} in the layout",
             )
     segments: dict[int, Segment] = {}
+    isdisjoint = doomed.isdisjoint  # most segments link to none of them: check in C
     for sid, seg in layout.segments.items():
         if sid in doomed:
             continue
+        if isdisjoint(seg.parent_ids) and isdisjoint(seg.child_ids):
+            segments[sid] = seg
+            continue
         parents = tuple(p for p in seg.parent_ids if p not in doomed)
         children = tuple(c for c in seg.child_ids if c not in doomed)
-        if parents != seg.parent_ids or children != seg.child_ids:
-            segments[sid] = dataclasses.replace(seg, parent_ids=parents, child_ids=children)
-        else:
-            segments[sid] = seg
+        segments[sid] = dataclasses.replace(seg, parent_ids=parents, child_ids=children)
     return _with_segments(layout, segments, layout.next_segment_id)
 
 
