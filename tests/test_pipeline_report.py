@@ -165,6 +165,7 @@ def centre_by_loop(runs: _Runs, step_ms: int) -> int:
 
 
 def runs_of(rows: list[tuple[int, int, int, float, float, float]], step_ms: int) -> _Runs:
+    """A replay's rows, one per visit (RunArrays.of merges equal neighbours)."""
     r = _Runs()
     t = T0
     for count, segments, above, excess, hottest, load in rows:
@@ -172,6 +173,18 @@ def runs_of(rows: list[tuple[int, int, int, float, float, float]], step_ms: int)
         r.add(t, count, measure)
         t += count * step_ms
     return r
+
+
+def merged(rows: _Runs) -> _Runs:
+    """The rows as runs the plain way (the oracles' input): each row joins the run before
+    it when their measures are equal."""
+    runs = _Runs()
+    for t, count, measure in zip(rows.t, rows.count, rows.measures, strict=True):
+        if runs.measures and runs.measures[-1] == measure:
+            runs.count[-1] += count
+        else:
+            runs.add(t, count, measure)
+    return runs
 
 
 RUN_ROWS = st.lists(
@@ -193,8 +206,8 @@ RUN_ROWS = st.lists(
 def test_run_arrays_equal_the_plain_loops_bit_for_bit(
     rows: list[tuple[int, int, int, float, float, float]], points: int, step_ms: int
 ) -> None:
-    r = runs_of(rows, step_ms)
-    arrays = RunArrays.of(r)
+    arrays = RunArrays.of(runs_of(rows, step_ms))
+    r = merged(runs_of(rows, step_ms))
     assert arrays.totals() == totals_by_loop(r)
     assert arrays.centre(step_ms) == centre_by_loop(r, step_ms)
     assert arrays.expand(step_ms) == expand(r, step_ms)
@@ -205,6 +218,12 @@ def test_run_arrays_equal_the_plain_loops_bit_for_bit(
     near = [i for i, t in enumerate(everything.t_ms) if abs(t - centre) <= RISE_MS / 2]
     assert zoom.t_ms == [everything.t_ms[i] for i in near]
     assert zoom.load == [everything.load[i] for i in near]
+    # each row made as two visits with equal measures: merged back into the same runs
+    twice = [(1, *row[1:]) for row in rows for _ in range(2)]
+    again = RunArrays.of(runs_of(twice, step_ms))
+    assert again.totals() == totals_by_loop(merged(runs_of(twice, step_ms)))
+    assert again.expand(step_ms) == expand(merged(runs_of(twice, step_ms)), step_ms)
+    assert len(again.t) == len(merged(runs_of(twice, step_ms)).t) <= len(rows)
 
 
 def test_the_zoom_centres_on_the_steepest_rise_from_a_quiet_load() -> None:

@@ -32,6 +32,7 @@ from itertools import chain
 from typing import Final, Literal, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from controllerd.core.model import HASH_MAX, HASH_SPACE, Rates
 
@@ -372,6 +373,7 @@ class SeriesLoad:
         self._memo = _ShareMemo()
         self._changes: tuple[list[RateTuple], list[Spread]] | None = None
         self._topic: dict[RateTuple, list[float]] = {}
+        self._totals_array: npt.NDArray[np.float64] | None = None
         self._visits: dict[int, tuple[list[int], list[int]]] = {}
         self.uniform = all(isinstance(s, UniformSpread) for s in spreads)
         row = move = 0  # the last row and move at or before t (both lists are sorted)
@@ -434,15 +436,21 @@ class SeriesLoad:
             self._changes = ([self._totals[r] for r in self._rows], self._spreads)
         return self._changes
 
+    def totals_array(self) -> npt.NDArray[np.float64]:
+        """:meth:`changes`' totals as one row per change (kept)."""
+        if self._totals_array is None:
+            totals = self.changes()[0]
+            flat = np.fromiter(chain.from_iterable(totals), np.float64, 4 * len(totals))
+            self._totals_array = flat.reshape(-1, 4)
+        return self._totals_array
+
     def topic_loads(self, reference: RateTuple) -> list[float]:
         """The topic's load from each change on in units of ``reference``: the highest of
         its four rates over the reference's, as ``max(t0 / r0, ..., t3 / r3)`` gives it bit
         for bit (IEEE division and maximum round alike in numpy). Kept per reference."""
         loads = self._topic.get(reference)
         if loads is None:
-            totals = self.changes()[0]
-            flat = np.fromiter(chain.from_iterable(totals), np.float64, 4 * len(totals))
-            ratios = flat.reshape(-1, 4) / np.array(reference, dtype=np.float64)
+            ratios = self.totals_array() / np.array(reference, dtype=np.float64)
             loads = self._topic[reference] = np.max(ratios, axis=1).tolist()
         return loads
 

@@ -305,21 +305,28 @@ Measure = tuple[int, int, float, float, float, float]
 hottest segment, topic load), the last three in units of the reference threshold."""
 
 
+Block = tuple[int, float, int, list[int]]
+"""Rows the short path made for ``n`` equal segments of one share: (first row, share,
+``n``, each row's change index)."""
+
+
 @dataclass(slots=True)
 class _Runs:
-    """Measurements as runs of identical consecutive steps: (first t, steps, measure)."""
+    """The replay's visits as rows, in time order: (first t, steps, measure). Consecutive
+    rows with equal measures are one run of identical steps (:meth:`RunArrays.of` merges
+    them). A row's measure is given (``measures``, for the rows outside any block) or,
+    for the rows of a :data:`Block`, worked out from the change index once the replay
+    ends, all at once: per visit, that was a third of the short path's work."""
 
     t: list[int] = field(default_factory=list)
     count: list[int] = field(default_factory=list)
     measures: list[Measure] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
 
     def add(self, t: int, steps: int, measure: Measure) -> None:
-        if self.measures and self.measures[-1] == measure:
-            self.count[-1] += steps
-        else:
-            self.t.append(t)
-            self.count.append(steps)
-            self.measures.append(measure)
+        self.t.append(t)
+        self.count.append(steps)
+        self.measures.append(measure)
 
 
 class _Idle:
@@ -574,13 +581,9 @@ class _Idle:
             if following > cut:  # the first step at or after it (cut > t here)
                 following = t - (t - cut) // step_ms * step_ms
             steps = ((following if following < end else end) - t) // step_ms
-            measure = (n, above, step_excess, step_msgs, hottest, topic_at[c])
-            if run_measures and run_measures[-1] == measure:
-                run_count[-1] += steps
-            else:
-                run_t.append(t)
-                run_count.append(steps)
-                run_measures.append(measure)
+            run_t.append(t)
+            run_count.append(steps)
+            run_measures.append((n, above, step_excess, step_msgs, hottest, topic_at[c]))
             t, c = following, then[c]
         for g in range(ng):
             self._hand_back(
@@ -651,7 +654,6 @@ class _Idle:
         wrote = -1
         m0, m1, m2, m3 = self.merge
         s0, s1, s2, s3 = self.split
-        r0, r1, r2, r3 = self.reference
         cold = written[0] < m0 and written[1] < m1 and written[2] < m2 and written[3] < m3
         # n equal records that turn cold are n adjacent cold records
         cold_stops = enabled and n >= 2 and n > policy.min_segments
@@ -672,17 +674,19 @@ class _Idle:
         c = change
         while c + 1 < n_times and times[c + 1] <= t:
             c += 1
-        run_t, run_count, run_measures = runs.t, runs.count, runs.measures
+        run_t, run_count = runs.t, runs.count
         share = 0.0
         shares_of: object = None
+        block: list[int] = []
         writes = visits = 0
-        topic_at = self.topic_at
         while t <= last:
             if t >= cut:
                 break  # a GC changes the layout, or decide's answer may change with time
             spread = spreads[c]
             if spread is not shares_of:
                 shares_of, share = spread, spread.share(a0, b0)
+                block = []
+                runs.blocks.append((len(run_t), share, n, block))
             t0, t1, t2, t3 = totals[c]
             c0, c1, c2, c3 = t0 * share, t1 * share, t2 * share, t3 * share
             w = written_at
@@ -764,36 +768,13 @@ class _Idle:
                         elif not cold and sid0 in cold_since:
                             del cold_since[sid0]
             change = c
-            score = c0 / r0
-            if (x := c1 / r1) > score:
-                score = x
-            if (x := c2 / r2) > score:
-                score = x
-            if (x := c3 / r3) > score:
-                score = x
-            if score > 1.0:
-                above = n
-                step_excess = step_msgs = 0.0
-                for _ in range(n):  # the same sum, in the same order, as segment by segment
-                    step_excess += score - 1.0
-                    if c0 > r0:
-                        step_msgs += c0 - r0
-                hottest = score
-            else:
-                above, step_excess, step_msgs = 0, 0.0, 0.0
-                hottest = score if score > 0.0 else 0.0
             visits += 1
             following = after[c]
             if following > cut:  # the first step at or after it (cut > t here)
                 following = t - (t - cut) // step_ms * step_ms
-            steps = ((following if following < end else end) - t) // step_ms
-            measure = (n, above, step_excess, step_msgs, hottest, topic_at[c])
-            if run_measures and run_measures[-1] == measure:
-                run_count[-1] += steps
-            else:
-                run_t.append(t)
-                run_count.append(steps)
-                run_measures.append(measure)
+            run_t.append(t)
+            run_count.append(((following if following < end else end) - t) // step_ms)
+            block.append(c)  # measured once the replay ends (RunArrays.of)
             t, c = following, then[c]
         self._hand_back(segs, written, written_at, changed_at, touched, wrote, stale_view)
         return t, change, writes, visits, until
@@ -1166,6 +1147,8 @@ def simulate(
         timeline_points,
         zoom_seconds,
         visited,
+        source.totals_array() if runs.blocks and isinstance(source, SeriesLoad) else None,
+        (r0, r1, r2, r3),
     )
 
 
@@ -1210,8 +1193,12 @@ def _result(
     timeline_points: int,
     zoom_seconds: float,
     visited: int,
+    change_totals: npt.NDArray[np.float64] | None,
+    reference: RateTuple,
 ) -> SimResult:
-    arrays = RunArrays.of(runs)
+    """The metrics, timeline and zoom of a replay's rows. ``change_totals``: the source's
+    totals per change (:meth:`SeriesLoad.totals_array`), when the short path left blocks."""
+    arrays = RunArrays.of(runs, change_totals, reference)
     totals = arrays.totals()
     metrics = Metrics(
         segment_hours=totals.segment_steps * dt / 3600.0,
@@ -1248,6 +1235,40 @@ RISE_MS: Final = 3_600_000
 
 RISE_FROM: Final = 0.5
 """...from a load below this (in split thresholds): a topic that light has merged down."""
+
+
+def _block_measures(
+    blocks: list[Block], totals: npt.NDArray[np.float64], reference: RateTuple
+) -> npt.NDArray[np.float64]:
+    """The measures of the blocks' rows, as the general loop takes them for ``n`` equal
+    segments, bit for bit: a segment's load is each total times the share, its score the
+    highest of the four over the reference's, and the excess adds up segment by segment
+    (``n`` sums of one term, in order; not ``n`` times the term). Column by column: a
+    maximum along a row of four is several times slower in numpy."""
+    cs = np.fromiter(chain.from_iterable(b[3] for b in blocks), np.int64)
+    sizes = [len(b[3]) for b in blocks]
+    share = np.repeat(np.array([b[1] for b in blocks], dtype=np.float64), sizes)
+    n = np.repeat(np.array([b[2] for b in blocks], dtype=np.int64), sizes)
+    r0, r1, r2, r3 = reference
+    t0, t1, t2, t3 = (totals[:, i][cs] for i in range(4))
+    c0 = t0 * share
+    score = np.maximum(
+        np.maximum(c0 / r0, t1 * share / r1), np.maximum(t2 * share / r2, t3 * share / r3)
+    )
+    hot = score > 1.0
+    gap, over = score - 1.0, c0 - r0
+    heavy = hot & (c0 > r0)
+    out = np.zeros((len(cs), 6))
+    excess, msgs = out[:, 2], out[:, 3]
+    for k in range(int(n.max()) if len(n) else 0):
+        more = n > k
+        np.add(excess, gap, out=excess, where=hot & more)
+        np.add(msgs, over, out=msgs, where=heavy & more)
+    out[:, 0] = n
+    out[:, 1] = np.where(hot, n, 0)
+    out[:, 4] = np.where(score > 0.0, score, 0.0)
+    out[:, 5] = np.maximum(np.maximum(t0 / r0, t1 / r1), np.maximum(t2 / r2, t3 / r3))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -1294,12 +1315,42 @@ class RunArrays:
     load: npt.NDArray[np.float64]
 
     @classmethod
-    def of(cls, runs: _Runs) -> RunArrays:
+    def of(
+        cls,
+        runs: _Runs,
+        totals: npt.NDArray[np.float64] | None = None,
+        reference: RateTuple = (1.0, 1.0, 1.0, 1.0),
+    ) -> RunArrays:
+        """The rows as runs: blocks measured, then consecutive equal rows merged (their
+        steps added), as adding them one by one to the last equal run would."""
+        t = np.array(runs.t, dtype=np.int64)
         count = np.array(runs.count, dtype=np.int64)
         flat = chain.from_iterable(runs.measures)  # faster than from a list of tuples
         m = np.fromiter(flat, np.float64, 6 * len(runs.measures)).reshape(-1, 6)
+        if runs.blocks:
+            if totals is None:
+                raise ValueError("RunArrays.of: blocks need the source's totals")
+            inside = np.zeros(len(t), dtype=bool)
+            rows = np.concatenate(
+                [
+                    np.arange(first, first + len(cs), dtype=np.int64)
+                    for first, _, _, cs in runs.blocks
+                ]
+            )
+            inside[rows] = True
+            given = m
+            m = np.empty((len(t), 6))
+            m[~inside] = given
+            m[rows] = _block_measures(runs.blocks, totals, reference)
+        if len(t) > 1:
+            same = m[1:, 0] == m[:-1, 0]  # column by column: faster than along rows
+            for i in range(1, 6):
+                same &= m[1:, i] == m[:-1, i]
+            if same.any():
+                starts = np.flatnonzero(np.concatenate(([True], ~same)))
+                t, m, count = t[starts], m[starts], np.add.reduceat(count, starts)
         return cls(
-            np.array(runs.t, dtype=np.int64),
+            t,
             count,
             np.cumsum(count) - count,
             m[:, 0].astype(np.int64),
