@@ -363,3 +363,44 @@ def test_load_record_spellings_and_fallbacks() -> None:
         load_sample_from_json({**plain, "msgRateIn": -1, "changedAtMs": 5})
     full = load_sample_from_json({**plain, "changedAtMs": 5, "sampledAtMs": 6, "coldSinceMs": 1})
     assert (full.changed_at_ms, full.sampled_at_ms, full.cold_since_ms) == (5, 6, 1)
+
+
+def test_sealed_relinked_and_succeeded_are_replace_on_every_field() -> None:
+    """The layout operations' fast copies must keep every field, including any added later."""
+    seg = Segment(
+        7,
+        HashRange(16, 31),
+        SegmentState.ACTIVE,
+        parent_ids=(1, 2),
+        child_ids=(9,),
+        created_at_epoch=3,
+        sealed_at_epoch=4,
+        created_at_ms=5,
+        sealed_at_ms=6,
+        extra={"x": 1},
+    )
+    defaults = Segment(0, HashRange(0, 0), SegmentState.ACTIVE)
+    assert all(getattr(seg, f.name) != f.default for f in dataclasses.fields(Segment)), (
+        "give every field a non-default value above"
+    )
+    for s in (seg, defaults):
+        sealed = s.sealed(8, 9, (10, 11))
+        assert sealed == dataclasses.replace(
+            s,
+            state=SegmentState.SEALED,
+            child_ids=(10, 11),
+            sealed_at_epoch=8,
+            sealed_at_ms=9,
+        )
+        assert s.relinked((3,), ()) == dataclasses.replace(s, parent_ids=(3,), child_ids=())
+        assert sealed.extra is s.extra and s.relinked((), ()).extra is s.extra
+    lay = Layout(4, 12, {7: seg}, properties={"p": "q"}, auto_scale_policy={"a": 1}, extra={"e": 2})
+    assert all(getattr(lay, f.name) != f.default for f in dataclasses.fields(Layout) if f.init), (
+        "give every field a non-default value above"
+    )
+    for layout in (lay, Layout(0, 1, {})):
+        later = layout.succeeded({}, 40)
+        assert later == dataclasses.replace(
+            layout, epoch=layout.epoch + 1, next_segment_id=40, segments={}
+        )
+        assert later.extra is layout.extra

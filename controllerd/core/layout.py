@@ -39,7 +39,6 @@ keeps the conservative rule for the prunes it makes itself.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from controllerd.core.model import (
@@ -111,20 +110,6 @@ def _require_active(layout: Layout, segment_id: int) -> Segment:
     return seg
 
 
-def _sealed(seg: Segment, epoch: int, now_ms: int, child_ids: tuple[int, ...]) -> Segment:
-    return dataclasses.replace(
-        seg,
-        state=SegmentState.SEALED,
-        child_ids=child_ids,
-        sealed_at_epoch=epoch,
-        sealed_at_ms=now_ms,
-    )
-
-
-def _with_segments(layout: Layout, segments: dict[int, Segment], next_id: int) -> Layout:
-    return dataclasses.replace(
-        layout, epoch=layout.epoch + 1, next_segment_id=next_id, segments=segments
-    )
 
 
 def split(
@@ -158,7 +143,7 @@ def split(
     ends = (*(b - 1 for b in bounds), rng.end)
     child_ids = tuple(range(layout.next_segment_id, layout.next_segment_id + len(starts)))
     segments = dict(layout.segments)
-    segments[segment_id] = _sealed(parent, epoch, now_ms, child_ids)
+    segments[segment_id] = parent.sealed(epoch, now_ms, child_ids)
     for cid, start, end in zip(child_ids, starts, ends, strict=True):
         segments[cid] = Segment(
             segment_id=cid,
@@ -168,7 +153,7 @@ def split(
             created_at_epoch=epoch,
             created_at_ms=now_ms,
         )
-    return _with_segments(layout, segments, child_ids[-1] + 1)
+    return layout.succeeded(segments, child_ids[-1] + 1)
 
 
 def merge(layout: Layout, a: int, b: int, *, now_ms: int) -> Layout:
@@ -182,7 +167,7 @@ def merge(layout: Layout, a: int, b: int, *, now_ms: int) -> Layout:
     child_id = layout.next_segment_id
     segments = dict(layout.segments)
     for parent in (first, second):
-        segments[parent.segment_id] = _sealed(parent, epoch, now_ms, (child_id,))
+        segments[parent.segment_id] = parent.sealed(epoch, now_ms, (child_id,))
     segments[child_id] = Segment(
         segment_id=child_id,
         hash_range=HashRange(first.hash_range.start, second.hash_range.end),
@@ -191,7 +176,7 @@ def merge(layout: Layout, a: int, b: int, *, now_ms: int) -> Layout:
         created_at_epoch=epoch,
         created_at_ms=now_ms,
     )
-    return _with_segments(layout, segments, child_id + 1)
+    return layout.succeeded(segments, child_id + 1)
 
 
 def prune(layout: Layout, segment_ids: Iterable[int]) -> Layout:
@@ -220,8 +205,8 @@ def prune(layout: Layout, segment_ids: Iterable[int]) -> Layout:
             continue
         parents = tuple(p for p in seg.parent_ids if p not in doomed)
         children = tuple(c for c in seg.child_ids if c not in doomed)
-        segments[sid] = dataclasses.replace(seg, parent_ids=parents, child_ids=children)
-    return _with_segments(layout, segments, layout.next_segment_id)
+        segments[sid] = seg.relinked(parents, children)
+    return layout.succeeded(segments, layout.next_segment_id)
 
 
 def apply(layout: Layout, decision: Decision, *, now_ms: int) -> Layout:

@@ -108,6 +108,38 @@ class Segment:
         """Segment topic name suffix, ``%04x-%04x-%d`` as Pulsar names it."""
         return f"{self.hash_range.start:04x}-{self.hash_range.end:04x}-{self.segment_id}"
 
+    def sealed(self, epoch: int, now_ms: int, child_ids: tuple[int, ...]) -> Segment:
+        """This segment sealed at ``epoch`` and ``now_ms`` with these children: built
+        directly, not with ``dataclasses.replace``, whose field introspection was most of
+        a split's, a merge's and a GC's cost (a test keeps it equal to ``replace``)."""
+        return Segment(
+            self.segment_id,
+            self.hash_range,
+            SegmentState.SEALED,
+            self.parent_ids,
+            child_ids,
+            self.created_at_epoch,
+            epoch,
+            self.created_at_ms,
+            now_ms,
+            self.extra,
+        )
+
+    def relinked(self, parent_ids: tuple[int, ...], child_ids: tuple[int, ...]) -> Segment:
+        """This segment with these parents and children (see :meth:`sealed`)."""
+        return Segment(
+            self.segment_id,
+            self.hash_range,
+            self.state,
+            parent_ids,
+            child_ids,
+            self.created_at_epoch,
+            self.sealed_at_epoch,
+            self.created_at_ms,
+            self.sealed_at_ms,
+            self.extra,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Layout:
@@ -126,6 +158,18 @@ class Layout:
     auto_scale_policy: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
     _active: tuple[Segment, ...] | None = field(default=None, init=False, compare=False, repr=False)
+
+    def succeeded(self, segments: Mapping[int, Segment], next_segment_id: int) -> Layout:
+        """The next epoch of this layout, with these segments (built directly, as
+        :meth:`Segment.sealed` is)."""
+        return Layout(
+            self.epoch + 1,
+            next_segment_id,
+            segments,
+            self.properties,
+            self.auto_scale_policy,
+            self.extra,
+        )
 
     def active_segments(self) -> tuple[Segment, ...]:
         """Active segments in hash order (ascending range start); computed once."""
