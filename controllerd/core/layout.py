@@ -110,8 +110,6 @@ def _require_active(layout: Layout, segment_id: int) -> Segment:
     return seg
 
 
-
-
 def split(
     layout: Layout,
     segment_id: int,

@@ -39,7 +39,7 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -57,7 +57,14 @@ from controllerd.pipeline.load import (
     Trace,
     source_for,
 )
-from controllerd.pipeline.simulate import METRIC_COLUMNS, SimResult, Strategy, Timeline, simulate
+from controllerd.pipeline.simulate import (
+    METRIC_COLUMNS,
+    Operation,
+    SimResult,
+    Strategy,
+    Timeline,
+    simulate,
+)
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, Variant
 
 if TYPE_CHECKING:
@@ -269,19 +276,25 @@ def _batch_task(
     return apply
 
 
+OPERATION_FIELDS: Final = tuple(f.name for f in fields(Operation))
+
+
 def result_row(trace: str, variant: str, result: SimResult) -> dict[str, Any]:
     """One group's result row. The timelines are copied as they are: ``simulate`` builds
     them from Python ints (times, segments) and floats (the rest), which Arrow carries
     exactly; converting each of their ~20,000 values again cost 1.5 ms a group."""
     row: dict[str, Any] = {"trace": trace, "variant": variant}
-    row.update(asdict(result.metrics))
+    metrics = result.metrics  # plain fields: getattr, not asdict's deep copies
+    row.update({name: getattr(metrics, name) for name in METRIC_COLUMNS})
     for prefix, timeline in (("tl", result.timeline), ("zoom", result.zoom)):
         row[f"{prefix}_t_ms"] = list(timeline.t_ms)
         row[f"{prefix}_load"] = list(timeline.load)
         row[f"{prefix}_hottest"] = list(timeline.hottest)
         row[f"{prefix}_segments"] = list(timeline.segments)
         row[f"{prefix}_segments_mean"] = list(timeline.segments_mean)
-    row["operations_json"] = json.dumps([asdict(op) for op in result.operations])
+    row["operations_json"] = json.dumps(
+        [{name: getattr(op, name) for name in OPERATION_FIELDS} for op in result.operations]
+    )
     return row
 
 
@@ -336,13 +349,17 @@ def run_local(
     replayed = 0
     if count == 1:
         for trace in traces:
-            done.append(runner.rows(trace, names))
-            replayed += len(names)
-            if progress:
-                progress(replayed, total)
+            source, rows = shared_source(trace, options), []
+            for name in names:
+                rows.append(runner.row(trace, name, source))
+                replayed += 1
+                if progress:
+                    progress(replayed, total)
+            done.append(pd.DataFrame(rows))
     else:
-        # One job per trace: its variants share one source. spawn: a fork would copy
-        # whatever threads the caller runs (an event loop, a JVM).
+        # One job per trace (progress counts its variants at once): they share one
+        # source. spawn: a fork would copy whatever threads the caller runs (an event
+        # loop, a JVM).
         with ProcessPoolExecutor(max_workers=count, mp_context=get_context("spawn")) as pool:
             futures = [pool.submit(runner.rows, trace, names) for trace in traces]
             for future in as_completed(futures):

@@ -464,11 +464,12 @@ class _Idle:
         shares: list[float] = []
         shares_of: object = None
         writes = visits = 0
-        new_loads: list[RateTuple] = [ZERO] * ng
         scores = [0.0] * ng
-        new_at = [0] * ng
-        kinds = [0] * ng  # 0: nothing, 1: a heartbeat, 2: a new record
-        dues = [0] * ng
+        firsts = [0.0] * ng  # each group's msg/s in at this visit
+        # (group, 0: heartbeats caught up / 1: and one at t / 2: a new record, written at,
+        # heartbeats caught up, the new record's rates)
+        pending: list[tuple[int, int, int, int, RateTuple]] = []
+        apart = group_of == list(range(ng))  # one segment a group, in segment order
         end = last + step_ms
         after, then = self.after, self.then
         # the first step at which a GC is due, or decide must be asked again (else past end)
@@ -490,10 +491,12 @@ class _Idle:
             t0, t1, t2, t3 = totals[c]
             stop = False
             visit_until: int | None = None
+            pending.clear()
+            above = 0
+            step_excess = step_msgs = hottest = 0.0
             for g in range(ng):
                 sh = shares[g]
                 c0, c1, c2, c3 = t0 * sh, t1 * sh, t2 * sh, t3 * sh
-                new_loads[g] = (c0, c1, c2, c3)
                 score = c0 / r0
                 if (x := c1 / r1) > score:
                     score = x
@@ -501,7 +504,16 @@ class _Idle:
                     score = x
                 if (x := c3 / r3) > score:
                     score = x
-                scores[g] = score
+                if apart:  # the groups are the segments, in order: measure them here
+                    if score > 1.0:
+                        above += 1
+                        step_excess += score - 1.0
+                        if c0 > r0:
+                            step_msgs += c0 - r0
+                    if score > hottest:  # noqa: PLR1730 - not max(): per segment per visit
+                        hottest = score
+                else:
+                    scores[g], firsts[g] = score, c0
                 w = written_at[g]
                 due = 0
                 if lazy:
@@ -510,14 +522,12 @@ class _Idle:
                         w += due * heartbeat_ms
                     else:
                         due = 0
-                dues[g] = due
                 if quiet(written[g], c0, c1, c2, c3):
                     if heartbeat_ms and t - w >= hb_ms:
-                        kinds[g], new_at[g] = 1, t
-                    else:
-                        kinds[g], new_at[g] = 0, w
+                        pending.append((g, 1, t, due, ZERO))
+                    elif due:
+                        pending.append((g, 0, w, due, ZERO))
                     continue
-                kinds[g], new_at[g] = 2, t
                 if enabled:
                     if c0 > s0 or c1 > s1 or c2 > s2 or c3 > s3:
                         stop = True  # a hot record: may_act_now
@@ -535,22 +545,20 @@ class _Idle:
                             break
                         if visit_until is None or ripens < visit_until:
                             visit_until = ripens
+                pending.append((g, 2, t, due, (c0, c1, c2, c3)))
             if stop:
                 break
-            # commit the visit
+            # commit the visit: the groups that wrote or caught up on heartbeats
             if visit_until is not None and (until is None or visit_until < until):
                 until = visit_until
                 cut = min(cut, until)
             change = c
-            for g in range(ng):
-                kind, due = kinds[g], dues[g]
-                if not (due or kind):
-                    continue  # nothing written, nothing caught up: the record stands
-                written_at[g] = new_at[g]
+            for g, kind, at, due, loads in pending:
+                written_at[g] = at
                 writes += (due + (kind > 0)) * count[g]
                 touched[g] = True
                 if kind == 2:
-                    loads = written[g] = new_loads[g]
+                    written[g] = loads
                     changed_at[g] = t
                     wrote[g] = c
                     if enabled:
@@ -565,17 +573,16 @@ class _Idle:
                                 cold_since[sid] = inherited if inherited is not None else t
                             elif not is_cold and sid in cold_since:
                                 del cold_since[sid]
-            above = 0
-            step_excess = step_msgs = hottest = 0.0
-            for g in group_of:  # segment order
-                score = scores[g]
-                if score > 1.0:
-                    above += 1
-                    step_excess += score - 1.0
-                    if (c0 := new_loads[g][0]) > r0:
-                        step_msgs += c0 - r0
-                if score > hottest:  # noqa: PLR1730 - not max(): per segment per visit
-                    hottest = score
+            if not apart:
+                for g in group_of:  # segment order
+                    score = scores[g]
+                    if score > 1.0:
+                        above += 1
+                        step_excess += score - 1.0
+                        if (c0 := firsts[g]) > r0:
+                            step_msgs += c0 - r0
+                    if score > hottest:  # noqa: PLR1730 - not max(): per segment per visit
+                        hottest = score
             visits += 1
             following = after[c]
             if following > cut:  # the first step at or after it (cut > t here)
