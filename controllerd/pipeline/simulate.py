@@ -682,10 +682,11 @@ class _Idle:
         while c + 1 < n_times and times[c + 1] <= t:
             c += 1
         run_t, run_count = runs.t, runs.count
+        first_row = len(run_t)
         share = 0.0
         shares_of: object = None
         block: list[int] = []
-        writes = visits = 0
+        writes = 0
         while t <= last:
             if t >= cut:
                 break  # a GC changes the layout, or decide's answer may change with time
@@ -775,7 +776,6 @@ class _Idle:
                         elif not cold and sid0 in cold_since:
                             del cold_since[sid0]
             change = c
-            visits += 1
             following = after[c]
             if following > cut:  # the first step at or after it (cut > t here)
                 following = t - (t - cut) // step_ms * step_ms
@@ -784,7 +784,7 @@ class _Idle:
             block.append(c)  # measured once the replay ends (RunArrays.of)
             t, c = following, then[c]
         self._hand_back(segs, written, written_at, changed_at, touched, wrote, stale_view)
-        return t, change, writes, visits, until
+        return t, change, writes, len(run_t) - first_row, until
 
 
 def simulate(
@@ -1051,13 +1051,13 @@ def simulate(
                 decision = decide(layout, seen, {}, policy, t, last_split, last_merge)
                 if not isinstance(decision, Split | Merge):
                     dirty = False
-                    if not step_by_step:
+                    if operated and not step_by_step:
+                        # the next step is visited, and its new segments' first records
+                        # make decide run again there: no wake-up time is needed
+                        wake = None
+                    elif not step_by_step:
                         wake = _wake(layout, seen, policy, t, last_split, last_merge, history)
-                        waiting = (
-                            fast is not None
-                            and not operated
-                            and not may_act_now(layout, seen, {}, policy, t)
-                        )
+                        waiting = fast is not None and not may_act_now(layout, seen, {}, policy, t)
                         if waiting:
                             ripe = next_ripe_ms(layout, seen, policy, t)
                     break
