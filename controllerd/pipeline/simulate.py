@@ -457,8 +457,7 @@ class _Idle:
         merging = len(segs) > policy.min_segments
         window_ms = policy.merge_window_seconds * 1000.0  # backoff only lengthens it
         quiet = self.gate.quiet
-        times, totals, spreads = self.times, self.totals, self.spreads
-        n_times = len(times)
+        totals, spreads = self.totals, self.spreads
         step_ms, heartbeat_ms, hb_ms, lazy = self.step_ms, self.heartbeat_ms, self.hb_ms, self.lazy
         n = len(segs)
         shares: list[float] = []
@@ -472,13 +471,7 @@ class _Idle:
         apart = group_of == list(range(ng))  # one segment a group, in segment order
         end = last + step_ms
         after, then = self.after, self.then
-        # the first step at which a GC is due, or decide must be asked again (else past end)
-        cut = sealed[0][0] + math.ceil(retention_ms) if retention_ms >= 0 and sealed else end
-        if until is not None and until < cut:
-            cut = until
-        c = change
-        while c + 1 < n_times and times[c + 1] <= t:
-            c += 1
+        cut, c = self._start(t, change, end, sealed, retention_ms, until)
         run_t, run_count, run_measures = runs.t, runs.count, runs.measures
         topic_at = self.topic_at
         while t <= last:
@@ -604,6 +597,26 @@ class _Idle:
             )
         return t, change, writes, visits, until
 
+    def _start(
+        self,
+        t: int,
+        change: int,
+        end: int,
+        sealed: deque[tuple[int, int]],
+        retention_ms: float,
+        until: int | None,
+    ) -> tuple[int, int]:
+        """Where a run of visits from ``t`` starts: the first step at which a GC is due or
+        ``decide`` must be asked again (``end`` when neither comes), and the change that
+        holds at ``t``."""
+        cut = sealed[0][0] + math.ceil(retention_ms) if retention_ms >= 0 and sealed else end
+        if until is not None and until < cut:
+            cut = until
+        times = self.times
+        while change + 1 < len(times) and times[change + 1] <= t:
+            change += 1
+        return cut, change
+
     def _hand_back(
         self,
         segs: list[tuple[int, int, int, _Reporter]],
@@ -669,18 +682,11 @@ class _Idle:
         lim, crossing = gate.limit, gate.crossing
         g0, g1, g2, g3 = gate.split
         h0, h1, h2, h3 = gate.merge
-        times, totals, spreads = self.times, self.totals, self.spreads
-        n_times = len(times)
+        totals, spreads = self.totals, self.spreads
         step_ms, heartbeat_ms, hb_ms, lazy = self.step_ms, self.heartbeat_ms, self.hb_ms, self.lazy
         end = last + step_ms
         after, then = self.after, self.then
-        # the first step at which a GC is due, or decide must be asked again (else past end)
-        cut = sealed[0][0] + math.ceil(retention_ms) if retention_ms >= 0 and sealed else end
-        if until is not None and until < cut:
-            cut = until
-        c = change
-        while c + 1 < n_times and times[c + 1] <= t:
-            c += 1
+        cut, c = self._start(t, change, end, sealed, retention_ms, until)
         run_t, run_count = runs.t, runs.count
         first_row = len(run_t)
         share = 0.0
