@@ -197,6 +197,8 @@ class GroupRunner:
 def shared_source(trace: Trace, options: RunOptions) -> LoadSource | None:
     """A source every variant of ``trace`` can replay on, or None: a series is only read
     (:class:`SeriesLoad`), a recorded history is read forward once."""
+    if trace.kind != "series":
+        return None  # not built here: each variant builds its own
     source = source_for(trace, options.skew, options.seed)
     return source if isinstance(source, SeriesLoad) else None
 
@@ -227,7 +229,7 @@ def batches(traces: Sequence[Trace], variants: Sequence[Variant], slots: int) ->
     many traces as tasks: they share one source (what a replay works out once per trace,
     such as its change times and topic load, is then worked out once). With fewer
     traces the pairs are spread one by one, so every core has work."""
-    per_trace = [
+    work = [  # (steps, trace, variant), trace by trace
         (
             (t.t_ms[-1] - t.t_ms[0]) / (v.strategy.interval_seconds * 1000.0) + 1.0,
             t.name,
@@ -236,15 +238,15 @@ def batches(traces: Sequence[Trace], variants: Sequence[Variant], slots: int) ->
         for t in traces
         for v in variants
     ]
-    count = min(len(per_trace), max(4 * max(1, slots), -(-len(per_trace) // GROUPS_PER_TASK)))
+    count = min(len(work), max(4 * max(1, slots), -(-len(work) // GROUPS_PER_TASK)))
     units: list[tuple[float, list[tuple[str, str]]]] = []
     if len(traces) >= count:
         step = max(1, len(variants))
-        for i in range(0, len(per_trace), step):
-            chunk = per_trace[i : i + step]
+        for i in range(0, len(work), step):
+            chunk = work[i : i + step]
             units.append((sum(w for w, _, _ in chunk), [(t, v) for _, t, v in chunk]))
     else:
-        units = [(w, [(t, v)]) for w, t, v in per_trace]
+        units = [(w, [(t, v)]) for w, t, v in work]
     units.sort(key=lambda u: -u[0])
     loads = [(0.0, i) for i in range(count)]
     out: list[Batch] = [[] for _ in range(count)]
