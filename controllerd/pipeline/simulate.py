@@ -1309,11 +1309,12 @@ class RunArrays:
 
     A month of 5-minute load is ~8,600 runs, and the three passes (totals,
     timeline, zoom) cost a fifth of a replay as Python loops; as array operations,
-    with the short path's measures worked out here too, an eighth. Each result equals the plain loops' bit for bit (a test keeps
-    those loops as its oracle): float sums add one term at a time in run order
-    (``cumsum``, not the pairwise ``sum``), and a float times a count, an int
-    over an int and a maximum round the same in both. Runs tile the steps: each
-    starts where the one before ended, and none is empty.
+    with the short path's measures worked out here too, an eighth. Each result
+    equals the plain loops' bit for bit (a test keeps those loops as its oracle):
+    float sums add one term at a time in run order (``cumsum``, not the pairwise
+    ``sum``), and a float times a count, an int over an int and a maximum round
+    the same in both. Runs tile the steps: each starts where the one before
+    ended, and none is empty.
     """
 
     t: npt.NDArray[np.int64]
