@@ -20,7 +20,6 @@ from controllerd.pipeline.engines import (
     package_zip,
     run_local,
     run_spark,
-    trace_frame,
 )
 from controllerd.pipeline.history import LOADS, write_rows
 from controllerd.pipeline.load import Skew, Trace
@@ -125,6 +124,28 @@ def test_a_fleet_s_batches_keep_each_trace_s_variants_together(variants: list[Va
     few = batches(many[:3], variants, slots=2)
     assert len(few) == 8
     assert any(len({t for t, _ in batch}) > 1 for batch in few) or len(few) > 3
+
+
+def trace_frame(trace: Trace) -> pd.DataFrame:
+    """A trace as rows of TRACE_COLUMNS, as a recorded history arrives at a Spark task."""
+    n = len(trace.t_ms)
+    rates = list(zip(*trace.rates, strict=True))
+    data: dict[str, Any] = {
+        "trace": [trace.name] * n,
+        "kind": [trace.kind] * n,
+        "seq": range(n),
+        "t_ms": trace.t_ms,
+        "start": trace.start,
+        "end": trace.end,
+    }
+    data.update({c: rates[i] for i, c in enumerate(RATE_COLUMNS)})
+    data["buckets"] = (
+        [list(b) if b is not None else None for b in trace.buckets]
+        if trace.buckets is not None
+        else [None] * n
+    )
+    frame = pd.DataFrame(data)
+    return frame.astype({"seq": "int64", "t_ms": "int64", "start": "int32", "end": "int32"})
 
 
 def test_trace_frames_round_trip_in_any_row_order() -> None:

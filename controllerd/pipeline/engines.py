@@ -121,30 +121,9 @@ class RunOptions:
     timeline_points: int = 2000
 
 
-def trace_frame(trace: Trace) -> pd.DataFrame:
-    """A trace as rows of :data:`TRACE_COLUMNS` (what Spark partitions and ships)."""
-    n = len(trace.t_ms)
-    rates = list(zip(*trace.rates, strict=True))
-    data: dict[str, Any] = {
-        "trace": [trace.name] * n,
-        "kind": [trace.kind] * n,
-        "seq": range(n),
-        "t_ms": trace.t_ms,
-        "start": trace.start,
-        "end": trace.end,
-    }
-    data.update({c: rates[i] for i, c in enumerate(RATE_COLUMNS)})
-    data["buckets"] = (
-        [list(b) if b is not None else None for b in trace.buckets]
-        if trace.buckets is not None
-        else [None] * n
-    )
-    frame = pd.DataFrame(data)
-    return frame.astype({"seq": "int64", "t_ms": "int64", "start": "int32", "end": "int32"})
-
-
 def frame_trace(frame: pd.DataFrame) -> Trace:
-    """The inverse of :func:`trace_frame`, whatever order the rows arrive in."""
+    """A trace from its rows of :data:`TRACE_COLUMNS` (a recorded history's, as
+    :func:`history_rows` reads them), whatever order the rows arrive in."""
     frame = frame.sort_values("seq", kind="stable")
     rates = zip(*(frame[c].astype("float64").tolist() for c in RATE_COLUMNS), strict=True)
     raw = frame["buckets"].tolist() if "buckets" in frame else []
