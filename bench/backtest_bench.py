@@ -16,10 +16,14 @@ run's fixed cost (Spark's per-query overhead, worker start) paid once, from the
 rate of the steps beyond the first ``--short-hours`` of each trace: that assumes a
 fleet whose load changes as often as these traces' does (NAB and AWS: every 5 or
 30 minutes); a quieter fleet replays faster, one that changes every minute slower.
+Groups keep no timelines unless ``--timeline-points`` says so: a fleet's backtest
+keeps them only for the traces it plots (``--plot-traces``, replayed a second
+time). It prints the result's size a group, and what the fleet's groups would
+bring to the driver.
 
 Usage: python -m bench.backtest_bench [--traces ../shared/traces/nab ../shared/traces/aws] \\
            [--variants examples/variants.toml] [--engines local,spark] [--max-hours H] \\
-           [--workers N] [--master local[2]] [--repeat 2]
+           [--workers N] [--master local[2]] [--repeat 2] [--timeline-points N]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
+import pyarrow as pa
 
 from controllerd.pipeline.engines import RunOptions, run_local, run_spark, spark_session
 from controllerd.pipeline.load import Skew, Trace, source_for
@@ -78,15 +83,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sample", default="Twitter_volume_IBM", help="trace replayed both ways in one process"
     )
+    parser.add_argument(
+        "--timeline-points",
+        type=int,
+        default=0,
+        help="timeline points per group (default 0: a fleet's backtest keeps timelines only "
+        "for the few traces it plots, replayed again; 2000 is what a plotted group keeps)",
+    )
     args = parser.parse_args(argv)
 
     traces = discover(args.traces, TraceOptions(max_hours=args.max_hours))
     variants = load_variants(args.variants)
     interval = {v.name: v.strategy.interval_seconds for v in variants}
     groups = len(traces) * len(variants)
-    options = RunOptions()
+    options = RunOptions(timeline_points=args.timeline_points)
     print(f"cores:             {os.cpu_count()}")
     print(f"traces x variants: {len(traces)} x {len(variants)} = {groups} groups")
+    print(f"timeline points:   {args.timeline_points} a group")
 
     sample = next((t for t in traces if t.name == args.sample), traces[0])
     fast = slow = 0.0
@@ -191,6 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "(from the three runs)"
             )
         results[engine] = result
+        size = pa.Table.from_pandas(result).nbytes / groups
+        print(
+            f"  result size:           {size / 1024:,.1f} KiB a group (Arrow); "
+            f"{size * args.topics * args.fleet_variants / 2**30:,.2f} GiB for the fleet's "
+            "groups at the driver"
+        )
     if len(results) == 2:
         local, spark = (r[["trace", "variant", *METRIC_COLUMNS]] for r in results.values())
         pd.testing.assert_frame_equal(local, spark, check_exact=True)

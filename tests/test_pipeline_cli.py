@@ -95,6 +95,31 @@ def test_backtest_writes_metrics_report_and_plots(tmp_path: Path, traces: Path) 
         ops = list(csv.DictReader(fh))
     assert {o["action"] for o in ops} == {"split", "merge"}
 
+    # With more traces than --plot-traces, the worst are replayed again for their plots;
+    # the metrics do not change.
+    fewer = tmp_path / "fewer"
+    args = ["--variants", str(variants), "--workers", "1", "--skew", "zipf:1.0:100"]
+    args += ["--seed", "3", "--peak-over-threshold", "3", "--no-progress"]
+    assert (
+        main(
+            ["backtest", "--traces", str(traces), "--out", str(fewer), *args, "--plot-traces", "1"]
+        )
+        == 0
+    )
+    assert (fewer / "metrics.csv").read_bytes() == (out / "metrics.csv").read_bytes()
+    excess = {
+        t: sum(float(r["excess_load"]) for r in rows if r["trace"] == t) for t in ("calm", "spiky")
+    }
+    worst = max(excess, key=lambda t: excess[t])
+    assert excess[worst] > min(excess.values())
+    pngs = sorted(p.name for p in (fewer / "plots").glob("*.png"))
+    assert pngs == sorted([f"{worst}-peak.png", f"{worst}.png", "pareto.png"])
+    assert (fewer / "plots" / f"{worst}.png").read_bytes() == (
+        out / "plots" / f"{worst}.png"
+    ).read_bytes()
+    report = (fewer / "report.md").read_text(encoding="utf-8")
+    assert "- plots: 1 of 2 traces, those with the most excess load" in report
+
 
 def test_bad_input_exits_2_naming_the_problem(
     tmp_path: Path, traces: Path, capsys: pytest.CaptureFixture[str]
@@ -122,6 +147,7 @@ def test_bad_input_exits_2_naming_the_problem(
         (["--skew", "zipf:400"], "0 <= S <= 20"),
         (["--skew", "hotspot:0.5:1e-9"], "HOURS >= 1/60"),
         (["--skew", "hotspot:0.5:inf"], "HOURS >= 1/60"),
+        (["--plot-traces", "-1"], "--plot-traces must be >= 0"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(

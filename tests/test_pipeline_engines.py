@@ -14,12 +14,14 @@ import pytest
 
 from controllerd.pipeline.engines import (
     RATE_COLUMNS,
+    TIMELINE_COLUMNS,
     RunOptions,
     batches,
     frame_trace,
     package_zip,
     run_local,
     run_spark,
+    with_timelines,
 )
 from controllerd.pipeline.history import LOADS, write_rows
 from controllerd.pipeline.load import Skew, Trace
@@ -186,6 +188,25 @@ def test_the_process_pool_gives_the_same_results(variants: list[Variant]) -> Non
     pd.testing.assert_frame_equal(metrics(inline), metrics(pooled), check_exact=True)
 
 
+def test_only_the_traces_replayed_again_keep_timelines(variants: list[Variant]) -> None:
+    """A fleet's first replay keeps no timelines; the traces to plot are replayed again
+    with them, and only their rows get them."""
+    options = RunOptions(timeline_points=20)
+    full = run_local(TRACES, variants[:2], options, workers=1)
+    bare = run_local(TRACES, variants[:2], RunOptions(timeline_points=0), workers=1)
+    pd.testing.assert_frame_equal(metrics(full), metrics(bare), check_exact=True)
+    assert list(full["operations_json"]) == list(bare["operations_json"])
+    assert all(len(bare[c][i]) == 0 for c in TIMELINE_COLUMNS for i in range(len(bare)))
+    again = run_local(TRACES[1:2], variants[:2], options, workers=1)
+    merged = with_timelines(bare, again)
+    pd.testing.assert_frame_equal(metrics(merged), metrics(full), check_exact=True)
+    for column in TIMELINE_COLUMNS:
+        for i, trace in enumerate(merged["trace"]):
+            want = list(full[column][i]) if trace == TRACES[1].name else []
+            assert list(merged[column][i]) == want, (column, trace)
+    assert len(merged["tl_t_ms"][2]) > 0  # the second trace's first variant
+
+
 def test_the_shipped_zip_holds_the_package_and_is_removed_when_the_driver_exits() -> None:
     """Spark needs the zip until its context stops; the process's exit removes it."""
     code = (
@@ -256,7 +277,8 @@ def test_both_engines_skip_the_same_malformed_history_rows(
     rows[42]["range_start"], rows[42]["range_end"] = 0x9000, 0x8000
     rows[43]["hash_buckets"] = [1.0, -1.0]
     rows[44]["t_ms"] = -5
-    write_rows(tmp_path, LOADS, rows)
+    other = [{**r, "topic": "x/y/z", "msg_rate_in": 2 * r["msg_rate_in"]} for r in rows[100:]]
+    write_rows(tmp_path, LOADS, rows + other)
     options = RunOptions(timeline_points=20)
     local = run_local(discover([tmp_path], TraceOptions()), variants[:2], options, workers=1)
     capsys.readouterr()
@@ -264,3 +286,10 @@ def test_both_engines_skip_the_same_malformed_history_rows(
     assert f"{tmp_path}: skipped 5 malformed load rows" in capsys.readouterr().err
     pd.testing.assert_frame_equal(metrics(local), metrics(remote), check_exact=True)
     assert local["splits"].sum() > 0
+    assert set(local["trace"]) == {"a/b/c", "x/y/z"}
+    # A second replay of some topics only (the ones to plot) reads just their rows.
+    some = run_spark(
+        [], variants[:2], options, spark=spark, histories=[str(tmp_path)], topics=["x/y/z"]
+    )
+    want = metrics(local[local["trace"] == "x/y/z"]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(metrics(some), want, check_exact=True)

@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 
 from controllerd.pipeline.report import (
     DAY_MS,
+    REPORT_TRACES,
     daily,
     pareto_figure,
     pareto_front,
     render_report,
     trace_figure,
     verdicts,
+    worst_traces,
 )
 from controllerd.pipeline.simulate import (
     RISE_FROM,
@@ -274,3 +276,38 @@ def test_report_checks_the_issue_targets() -> None:
     assert got["good"].traces_passing["flipflops"] == 2
     text = render_report(metrics, {"command": "x"})
     assert "flip-flops at most 5%" in text and "fewer operations" in text
+
+
+def test_a_fleet_s_report_lists_its_worst_traces_not_every_one() -> None:
+    """Past REPORT_TRACES traces the per-trace table keeps those with the most excess load
+    summed over the variants (metrics.csv has all)."""
+    count = REPORT_TRACES + 10
+    excess = {f"t{i:03}": float((i * 37) % count) for i in range(count)}
+    metrics = pd.DataFrame(
+        [
+            {
+                "trace": t,
+                "variant": v,
+                "segment_hours": 1.0,
+                "seconds_above_threshold": 0.0,
+                "excess_load": x * share,
+                "late_excess_load": 0.0,
+                "splits": 0,
+                "merges": 0,
+                "operations": 0,
+                "flipflops": 0,
+                "peak_segments": 1,
+            }
+            for t, x in excess.items()
+            for v, share in (("pip483", 0.75), ("other", 0.25))
+        ]
+    )
+    ranked = sorted(excess, key=lambda t: -excess[t])[:REPORT_TRACES]
+    assert worst_traces(metrics, REPORT_TRACES) == sorted(ranked)
+    assert worst_traces(metrics, 0) == []
+    assert worst_traces(metrics, 2) == ["t034", "t047"]  # 58 and 59, in input order
+    text = render_report(metrics, {"command": "x"})
+    table = text.split("## Per trace")[1]
+    assert f"The {REPORT_TRACES} of {count} traces with the most excess load" in table
+    listed = {line.split("|")[1].strip() for line in table.splitlines() if "`pip483`" in line}
+    assert listed == set(ranked)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from controllerd.config import LoadReportSettings
 from controllerd.core.model import PolicySettings
 from controllerd.pipeline.load import HistoryLoad, SeriesLoad, Skew, Trace, source_for
-from controllerd.pipeline.simulate import SimResult, Strategy, simulate
+from controllerd.pipeline.simulate import NO_TIMELINE, SimResult, Strategy, simulate
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, controllerd, pip483, static
 
 T0: Final = 1_700_000_000_000
@@ -175,6 +175,22 @@ def test_the_replay_is_deterministic() -> None:
     skew = Skew.parse("zipf:1.1:200")
     a, b = run(trace, controllerd(), skew), run(trace, controllerd(), skew)
     assert a.metrics == b.metrics and a.operations == b.operations
+
+
+def test_a_replay_without_timelines_measures_the_same() -> None:
+    """``timeline_points=0`` (a group nobody plots) drops the timelines and nothing else."""
+    trace = series("t", [0.2, 2.5, 0.4, 6.0, 0.02] * 12)
+    source = source_for(trace, Skew.parse("zipf:1.1:200"), 7)
+    full = simulate(source, controllerd(), REFERENCE_THRESHOLDS)
+    bare = simulate(source, controllerd(), REFERENCE_THRESHOLDS, timeline_points=0)
+    assert len(full.timeline.t_ms) > 0 and len(full.zoom.t_ms) > 0
+    assert bare.timeline == bare.zoom == NO_TIMELINE
+    assert (bare.metrics, bare.operations, bare.final_layout, bare.visited_steps) == (
+        full.metrics,
+        full.operations,
+        full.final_layout,
+        full.visited_steps,
+    )
 
 
 def test_history_rows_overwrite_the_ranges_they_cover() -> None:

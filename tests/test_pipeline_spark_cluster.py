@@ -5,7 +5,8 @@ A master and a worker run on 127.0.0.1 (``spark-class ...deploy.master.Master`` 
 them), in an environment where nothing puts this checkout on the executors' Python
 path: the executors only get our code because the driver ships it. The console
 command then backtests CSV series and a recorded history (read by the executors
-from its path) and must write the same ``metrics.csv`` as the local engine.
+from its path) and must write the same ``metrics.csv`` as the local engine; the
+history, its trace with the most excess load, is then replayed again for its plots.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def inputs(tmp: Path) -> tuple[Path, Path]:
     rows: list[dict[str, Any]] = []
     for minute in range(0, 600, 5):
         for segment, (start, end) in enumerate(((0, 0x7FFF), (0x8000, 0xFFFF))):
-            rate = 14_000.0 if 200 <= minute < 260 and segment == 0 else 400.0 + minute
+            rate = 40_000.0 if 200 <= minute < 320 and segment == 0 else 400.0 + minute
             row: dict[str, Any] = dict.fromkeys(RATE_COLUMNS, rate)
             row |= {
                 "topic": "acme/ns/orders",
@@ -168,12 +169,16 @@ def test_a_standalone_cluster_gives_the_local_engines_metrics(
     standalone: str, tmp_path: Path
 ) -> None:
     series, history = inputs(tmp_path)
-    common = ["--traces", str(series), str(history), "--no-plots", "--no-progress"]
-    local = controllerd("backtest", *common, "--out", str(tmp_path / "local"), cwd=tmp_path)
+    common = ["--traces", str(series), str(history), "--no-progress"]
+    local = controllerd(
+        "backtest", *common, "--no-plots", "--out", str(tmp_path / "local"), cwd=tmp_path
+    )
     assert local.returncode == 0, local.stderr
     remote = controllerd(
         "backtest",
         *common,
+        "--plot-traces",
+        "1",
         "--engine",
         "spark",
         "--master",
@@ -188,6 +193,15 @@ def test_a_standalone_cluster_gives_the_local_engines_metrics(
     assert ours == theirs  # same rows, same order, same digits
     assert {r["trace"] for r in ours} == {"bursty", "calm", "acme/ns/orders"}
     assert sum(int(r["splits"]) for r in ours) > 0
+    # The trace with the most excess load, the recorded history, was replayed again by
+    # the executors (that topic's rows only) for its plots.
+    excess = {
+        t: sum(float(r["excess_load"]) for r in ours if r["trace"] == t)
+        for t in ("bursty", "calm", "acme/ns/orders")
+    }
+    assert max(excess, key=lambda t: excess[t]) == "acme/ns/orders"
+    pngs = sorted(p.name for p in (tmp_path / "cluster" / "plots").glob("*.png"))
+    assert pngs == ["acme_ns_orders-peak.png", "acme_ns_orders.png", "pareto.png"]
     report = (tmp_path / "cluster" / "report.md").read_text(encoding="utf-8")
     # The executors ran the shipped zip, not this checkout nor another installed copy.
     assert "executors run controllerd from " in report

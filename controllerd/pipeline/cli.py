@@ -16,6 +16,7 @@ life.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import shlex
@@ -55,6 +56,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="variants file ([variants.<name>] tables); default: pip483, controllerd, static-8",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument(
+        "--plot-traces",
+        type=int,
+        default=None,
+        metavar="N",
+        help="plot at most N traces: with more, the N with the most excess load over the "
+        "variants, replayed again with timelines (default 20)",
+    )
     p.set_defaults(func=cmd_backtest)
 
     p = subparsers.add_parser(
@@ -375,6 +384,8 @@ def _variants(path: str | None, option: str) -> list[Variant]:
 def _run_info(
     args: argparse.Namespace, options: RunOptions, traces: list[str], variants: list[Variant]
 ) -> dict[str, str]:
+    from controllerd.pipeline.report import REPORT_TRACES
+
     return {
         "command": "controllerd " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "engine": args.engine
@@ -383,7 +394,7 @@ def _run_info(
             if args.engine == "spark"
             else ""
         ),
-        "traces": ", ".join(traces),
+        "traces": ", ".join(traces) if len(traces) <= REPORT_TRACES else f"{len(traces):,} traces",
         "variants": ", ".join(v.name for v in variants)
         if len(variants) <= 12
         else f"{len(variants)} variants",
@@ -399,17 +410,24 @@ def _execute(
     histories: list[str],
     variants: list[Variant],
     options: RunOptions,
+    plot_traces: int = 0,
 ) -> tuple[Any, float]:
+    """Replay on the engine ``args`` names. Only ``plot_traces`` traces keep timelines (for
+    plots): all of them if there are no more, else, from a second replay of just those,
+    the ones :func:`report.worst_traces` picks from the first (a replay is deterministic).
+    """
     from controllerd.pipeline import engines
+    from controllerd.pipeline.report import worst_traces
 
     unit = "group" if args.engine == "local" else "task"
     progress = Progress(not args.no_progress, what, unit)
     spark = engines.spark_session(args.master) if args.engine == "spark" else None
     started = time.monotonic()
-    try:
-        if spark is not None:
-            args.executors_import = engines.ship_code(spark)
-        results = engines.run(
+
+    def replay(
+        traces: list[Trace], options: RunOptions, topics: list[str] | None = None
+    ) -> pd.DataFrame:
+        return engines.run(
             args.engine,
             traces,
             variants,
@@ -420,7 +438,23 @@ def _execute(
             progress=progress if progress.enabled else None,
             histories=histories,
             max_hours=args.max_hours,
+            topics=topics,
         )
+
+    try:
+        if spark is not None:
+            args.executors_import = engines.ship_code(spark)
+        count = len(traces)
+        if spark is not None and histories:
+            count += sum(len(engines.history_topics(spark, h)) for h in histories)
+        if plot_traces >= count:
+            results = replay(traces, options)
+        else:
+            results = replay(traces, dataclasses.replace(options, timeline_points=0))
+            chosen = worst_traces(results, plot_traces)
+            if chosen:
+                plotted = replay([t for t in traces if t.name in chosen], options, chosen)
+                results = engines.with_timelines(results, plotted)
     finally:
         progress.close()
         if spark is not None:
@@ -437,13 +471,22 @@ def cmd_backtest(args: argparse.Namespace) -> int:
     _require(args)
     from controllerd.pipeline import report
 
+    limit = report.PLOT_TRACES if args.plot_traces is None else args.plot_traces
+    if limit < 0:
+        raise OperatorError("--plot-traces must be >= 0", setting="--plot-traces")
     options, traces, histories, _ = _inputs(args, defer_history=args.engine == "spark")
     variants = _variants(args.variants, "--variants")
     out = _out_dir(args.out)
-    results, elapsed = _execute(args, "backtest", traces, histories, variants, options)
+    plot_traces = 0 if args.no_plots else limit
+    results, elapsed = _execute(args, "backtest", traces, histories, variants, options, plot_traces)
     names = list(dict.fromkeys(str(t) for t in results["trace"]))
     groups = len(results)
     run_info = _run_info(args, options, names, variants)
+    if not args.no_plots and limit < len(names):
+        run_info["plots"] = (
+            f"{limit} of {len(names):,} traces, those with the most excess load over the "
+            "variants (--plot-traces)"
+        )
     run_info["run time"] = (
         f"{elapsed:.1f} s for {groups} trace-variant groups ({groups / elapsed:.2f}/s)"
         if elapsed > 0

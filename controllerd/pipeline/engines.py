@@ -36,7 +36,7 @@ import tempfile
 import threading
 import uuid
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
@@ -92,8 +92,8 @@ _INT_METRICS: Final = frozenset(
         "load_writes",
     }
 )
-_TIMELINE_DDL: Final = ", ".join(
-    f"{p}_{c} {t}"
+_TIMELINE_TYPES: Final = {
+    f"{p}_{c}": t
     for p in ("tl", "zoom")
     for c, t in (
         ("t_ms", "array<bigint>"),
@@ -102,7 +102,9 @@ _TIMELINE_DDL: Final = ", ".join(
         ("segments", "array<int>"),
         ("segments_mean", "array<double>"),
     )
-)
+}
+TIMELINE_COLUMNS: Final = tuple(_TIMELINE_TYPES)
+_TIMELINE_DDL: Final = ", ".join(f"{c} {t}" for c, t in _TIMELINE_TYPES.items())
 RESULT_DDL: Final = (
     "trace string, variant string, "
     + ", ".join(f"{m} {'long' if m in _INT_METRICS else 'double'}" for m in METRIC_COLUMNS)
@@ -288,6 +290,21 @@ def timeline_of(row: Mapping[str, Any], prefix: str = "tl") -> Timeline:
         [int(x) for x in row[f"{prefix}_segments"]],
         [float(x) for x in row[f"{prefix}_segments_mean"]],
     )
+
+
+def with_timelines(results: pd.DataFrame, replayed: pd.DataFrame) -> pd.DataFrame:
+    """``results`` with the timelines of the groups ``replayed`` again (with timelines);
+    the other groups keep theirs."""
+    key = pd.MultiIndex.from_frame(results[["trace", "variant"]])
+    again = replayed.set_index(["trace", "variant"])
+    found = key.isin(again.index)
+    out = results.copy()
+    for column in TIMELINE_COLUMNS:
+        values = out[column].tolist()
+        for i, k in zip(found.nonzero()[0], key[found], strict=True):
+            values[i] = again.at[k, column]
+        out[column] = values
+    return out
 
 
 def _ordered(
@@ -537,14 +554,17 @@ def history_rows(spark: SparkSession, root: str, max_hours: float | None = None)
 
 
 def history_topics(spark: SparkSession, root: str) -> set[str]:
-    """The topics of a recorded history, from its partition directories (no Spark job)."""
-    from urllib.parse import unquote
+    """The topics of a recorded history, from its partition directories (no Spark job).
+
+    Spark lists them as URIs: a topic's escaped ``/`` (``%2F``) is escaped again there
+    (``%252F``), so each is unquoted twice, as a URI and then as a partition value."""
+    from urllib.parse import unquote, urlparse
 
     files = spark.read.parquet(str(Path(root).resolve() / "loads")).inputFiles()
     return {
         unquote(part.removeprefix("topic="))
         for f in files
-        for part in f.split("/")
+        for part in unquote(urlparse(f).path).split("/")
         if part.startswith("topic=")
     }
 
@@ -559,13 +579,15 @@ def run_spark(
     progress: Progress | None = None,
     histories: Sequence[str] = (),
     max_hours: float | None = None,
+    topics: Collection[str] | None = None,
 ) -> pd.DataFrame:
     """Every trace x variant as ``groupBy(trace, variant).applyInPandas`` on Spark.
 
     Uses ``spark`` if given (and leaves it running), else starts a session on
     ``master`` and stops it afterwards. ``histories`` are recorder output
-    directories the executors read themselves. Each (trace, variant) group gets
-    its own shuffle partition where hashing allows, so groups run in parallel.
+    directories the executors read themselves (only ``topics`` of them, if given).
+    Each (trace, variant) group gets its own shuffle partition where hashing allows,
+    so groups run in parallel.
     """
     session = spark if spark is not None else spark_session(master)
     shipped: Broadcast[dict[str, Trace]] | None = None
@@ -574,12 +596,17 @@ def run_spark(
         session.conf.set("spark.sql.execution.arrow.pyspark.enabled", "true")
         runner = GroupRunner({v.name: v.strategy for v in variants}, options)
         parts: list[SparkFrame] = []
-        if histories:
+        found: set[str] = set().union(*(history_topics(session, h) for h in histories))
+        if topics is not None:
+            found &= set(topics)
+        if found:
             rows = history_rows(session, histories[0], max_hours)
             for h in histories[1:]:
                 rows = rows.unionByName(history_rows(session, h, max_hours))
             names = session.createDataFrame(pd.DataFrame({"variant": [v.name for v in variants]}))
-            count = sum(len(history_topics(session, h)) for h in histories)
+            if topics is not None:
+                rows = rows.where(rows["trace"].isin(sorted(found)))
+            count = len(found)
             parts.append(
                 _per_group(rows.crossJoin(names), count * len(variants)).applyInPandas(
                     _udf(runner), RESULT_DDL
@@ -673,8 +700,10 @@ def run(
     progress: Progress | None = None,
     histories: Sequence[str] = (),
     max_hours: float | None = None,
+    topics: Collection[str] | None = None,
 ) -> pd.DataFrame:
-    """Run on ``engine``; ``histories`` (recorded, read by Spark's executors) are Spark only."""
+    """Run on ``engine``; ``histories`` (recorded, read by Spark's executors; only
+    ``topics`` of them if given) are Spark only."""
     if engine == "local":
         return run_local(traces, variants, options, workers=workers, progress=progress)
     return run_spark(
@@ -686,4 +715,5 @@ def run(
         progress=progress,
         histories=histories,
         max_hours=max_hours,
+        topics=topics,
     )

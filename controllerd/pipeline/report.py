@@ -63,6 +63,26 @@ def totals(metrics: pd.DataFrame) -> dict[str, dict[str, float]]:
     return out
 
 
+PLOT_TRACES: Final = 20
+"""``backtest`` plots at most this many traces unless told (``--plot-traces``): a plotted
+group brings its timelines (~12,000 values) to the driver, which a fleet's 50,000 groups
+could not afford, and nobody reads 20,000 plots."""
+
+REPORT_TRACES: Final = 50
+"""``report.md``'s per-trace table lists at most this many traces (``metrics.csv`` has all)."""
+
+
+def worst_traces(metrics: pd.DataFrame, limit: int) -> list[str]:
+    """The ``limit`` traces with the most excess load summed over the variants, in the
+    results' order (ties too): where some variant was overloaded is where the policies
+    part ways, and where an operator looks first."""
+    if limit <= 0:
+        return []
+    excess = metrics.groupby("trace", sort=False)["excess_load"].sum()
+    keep = set(excess.sort_values(ascending=False, kind="stable").index[:limit])
+    return [str(t) for t in excess.index if t in keep]
+
+
 def _records(metrics: pd.DataFrame) -> list[dict[str, Any]]:
     return cast(list[dict[str, Any]], metrics.to_dict("records"))
 
@@ -328,6 +348,15 @@ def render_report(
         lines += ["", f"![Pareto front]({plots['pareto'][0]})"]
 
     lines += ["", "## Per trace", ""]
+    names = metrics["trace"].unique()
+    if len(names) > REPORT_TRACES:
+        shown = worst_traces(metrics, REPORT_TRACES)
+        lines += [
+            f"The {len(shown)} of {len(names):,} traces with the most excess load over the "
+            "variants; `metrics.csv` has every one.",
+            "",
+        ]
+        metrics = metrics[metrics["trace"].isin(shown)]
     per = []
     for r in _records(metrics):
         per.append(
@@ -511,11 +540,12 @@ def plot_pareto(
 
 
 def write_plots(results: pd.DataFrame, out: Path) -> dict[str, list[str]]:
-    """PNG files per trace (whole run, and around its steepest rise) and the Pareto plot."""
+    """PNG files per trace that has timelines (whole run, and around its steepest rise;
+    a replay with ``timeline_points=0`` has none) and the Pareto plot."""
     plot_dir = out / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
     files: dict[str, list[str]] = {}
-    records = _records(results)
+    records = [r for r in _records(results) if len(r["tl_t_ms"])]
     for trace in dict.fromkeys(r["trace"] for r in records):
         rows = [r for r in records if r["trace"] == trace]
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(trace))

@@ -181,6 +181,10 @@ class Timeline:
     segments_mean: Sequence[float] = ()
 
 
+NO_TIMELINE: Final = Timeline((), (), (), (), ())
+"""What a replay run with ``timeline_points=0`` keeps (it plots nothing)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Operation:
     """One applied split or merge: when, what, the hash range it acted on, and why."""
@@ -809,6 +813,9 @@ def simulate(
         reference: the split thresholds that stand for segment capacity in the metrics.
         check_layout: verify the layout invariants after every change (tests);
             raises :class:`controllerd.core.layout.LayoutError` on a violation.
+        timeline_points: at most this many points in the result's timeline; 0 for
+            neither a timeline nor a zoom (a run that plots nothing: a fleet's groups
+            would bring ~12,000 values each to the driver).
         step_by_step: visit every step and decide at each (the reference the
             event-driven replay is tested against; much slower).
     """
@@ -1231,6 +1238,8 @@ def _result(
         load_writes=writes,
         hours=totals.steps * dt / 3600.0,
     )
+    if timeline_points <= 0:
+        return SimResult(metrics, log, NO_TIMELINE, NO_TIMELINE, layout, visited)
     return SimResult(
         metrics,
         log,
