@@ -9,14 +9,20 @@ from typing import Final
 
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controllerd import config
 from controllerd.cli import main as run_cli
 from controllerd.pipeline.load import Trace
 from controllerd.pipeline.tune import (
+    SUMMED,
+    AllBut,
+    Sums,
     choose,
     cross_validate,
     folds_for,
+    render,
     score,
     split_in_time,
     toml_snippet,
@@ -92,7 +98,7 @@ def test_cross_validation_scores_each_choice_on_what_it_did_not_see() -> None:
     folds = folds_for(
         "loto", [Trace(n, "series", [0], [0], [1], [(0, 0, 0, 0)]) for n in names], {}
     )
-    assert [(f.train, f.test) for f in folds] == [
+    assert [(tuple(f.train), tuple(f.test)) for f in folds] == [
         (("b", "c"), ("a",)),
         (("a", "c"), ("b",)),
         (("a", "b"), ("c",)),
@@ -101,6 +107,83 @@ def test_cross_validation_scores_each_choice_on_what_it_did_not_see() -> None:
     assert [f.chosen for f in result.folds] == ["steady", "steady", "steady"]
     assert result.pooled.excess_cut == pytest.approx(0.6)
     assert result.final.variant == "steady"
+
+
+finite = st.floats(0.0, 1e18, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.tuples(finite, finite, st.integers(0, 10**6)), min_size=1, max_size=12),
+    chosen=st.lists(st.booleans(), min_size=12, max_size=12),
+    left_out=st.sets(st.integers(0, 11), max_size=4),
+)
+def test_sums_over_any_set_are_the_exact_sums(
+    values: list[tuple[float, float, int]], chosen: list[bool], left_out: set[int]
+) -> None:
+    """Whatever way a set is picked (its traces, every trace but a few, one trace set,
+    a superset minus the rest), its totals are the correctly rounded exact sums: fsum."""
+    names = [f"t{i}" for i in range(len(values))]
+    groups = {n: "ab"[i % 2] for i, n in enumerate(names)}
+    m = metrics(
+        [(n, "v", sh, ex, ops, ops % 7) for n, (sh, ex, ops) in zip(names, values, strict=True)]
+    )
+    sums = Sums(m, groups)
+
+    def exact(members: list[str]) -> dict[str, float]:
+        rows = m[m["trace"].isin(members)]
+        return {k: math.fsum(float(x) for x in rows[k]) for k in SUMMED}
+
+    some = [n for n, keep in zip(names, chosen, strict=False) if keep]
+    assert sums.totals("v", sums.pick(some)) == exact(some)
+    out = {names[i] for i in left_out if i < len(names)}
+    rest = AllBut(names, frozenset(names), out)
+    assert list(rest) == [n for n in names if n not in out] and len(rest) == len(names) - len(out)
+    assert sums.totals("v", sums.pick(rest)) == exact(list(rest))
+    for g in sums.groups(rest):
+        members = [n for n in rest if groups[n] == g]
+        assert sums.totals("v", sums.pick(rest, g)) == exact(members)
+        assert sums.totals("v", sums.pick(members, g)) == exact(members)
+    assert sums.totals("nobody", sums.pick(some)) == dict.fromkeys(SUMMED, 0.0)
+
+
+def test_candidates_equal_on_the_training_traces_tie_exactly() -> None:
+    """Chosen on nab, two candidates equal there tie (the earlier wins) however much they
+    differ on the held-out set: nab's totals are every trace's minus aws', which in
+    floats would not cancel (1e17 + 0.1 - 1e17 is 0)."""
+    rows = []
+    for trace in ("n1", "n2", "n3"):
+        rows.append((trace, "pip483", 100.0, 1000.0, 100, 40))
+        rows += [(trace, v, 110.1, 0.1, 60, 0) for v in ("x", "y")]
+    for trace, big in (("w1", 1e17), ("w2", 3e16)):
+        rows.append((trace, "pip483", 100.0, 1000.0, 100, 40))
+        rows += [(trace, "x", 0.3, 7.0, 1, 0), (trace, "y", big, big, 90, 3)]
+    m = metrics(rows)
+    groups = {"n1": "nab", "n2": "nab", "n3": "nab", "w1": "aws", "w2": "aws"}
+    traces = [Trace(n, "series", [0], [0], [1], [(0, 0, 0, 0)]) for n in groups]
+    folds = folds_for("group", traces, groups)
+    result = cross_validate(m, ["y", "x"], folds, list(groups), groups=groups)
+    assert [(f.fold.name, f.chosen) for f in result.folds] == [("nab", "x"), ("aws", "y")]
+    assert result.folds[1].in_sample.cost_ratio == pytest.approx(1.101)
+
+
+def test_a_fleet_s_folds_are_counted_by_choice_not_listed() -> None:
+    rows = []
+    names = [f"t{i:02}" for i in range(60)]
+    for i, trace in enumerate(names):
+        rows.append((trace, "pip483", 100.0, 1000.0, 100, 40))
+        rows.append((trace, "steady", 110.0, 400.0, 80, 0))
+        rows.append((trace, "lucky", 100.0, 0.0 if i else 990_000.0, 60, 0))
+    m = metrics(rows)
+    folds = folds_for(
+        "loto", [Trace(n, "series", [0], [0], [1], [(0, 0, 0, 0)]) for n in names], {}
+    )
+    result = cross_validate(m, ["lucky", "steady"], folds, names)
+    assert [f.chosen for f in result.folds] == ["lucky"] + ["steady"] * 59
+    text = render(result, {"command": "x"}, "[policy]\n")
+    assert "60 folds; how many chose each candidate:" in text
+    assert "| `steady` | 59 |" in text and "| `lucky` | 1 |" in text
+    assert "| t00 |" not in text
 
 
 def test_time_cv_cuts_every_trace_in_two() -> None:
