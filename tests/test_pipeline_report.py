@@ -172,20 +172,25 @@ def runs_of(rows: list[tuple[int, int, int, float, float, float]], step_ms: int)
     t = T0
     for count, segments, above, excess, hottest, load in rows:
         measure: Measure = (segments, above, excess, excess * 7.5, hottest, load)
-        r.add(t, count, measure)
+        r.add(t, measure)
         t += count * step_ms
+    r.close(t, step_ms)
     return r
 
 
-def merged(rows: _Runs) -> _Runs:
+def merged(rows: _Runs, step_ms: int) -> _Runs:
     """The rows as runs the plain way (the oracles' input): each row joins the run before
-    it when their measures are equal."""
+    it when their measures are equal; the runs' steps counted one by one."""
     runs = _Runs()
+    counts: list[int] = []
     for t, count, measure in zip(rows.t, rows.count, rows.measures, strict=True):
         if runs.measures and runs.measures[-1] == measure:
-            runs.count[-1] += count
+            counts[-1] += int(count)
         else:
-            runs.add(t, count, measure)
+            runs.add(t, measure)
+            counts.append(int(count))
+    runs.close(rows.t[-1] + int(rows.count[-1]) * step_ms, step_ms)
+    assert runs.count.tolist() == counts
     return runs
 
 
@@ -209,7 +214,7 @@ def test_run_arrays_equal_the_plain_loops_bit_for_bit(
     rows: list[tuple[int, int, int, float, float, float]], points: int, step_ms: int
 ) -> None:
     arrays = RunArrays.of(runs_of(rows, step_ms))
-    r = merged(runs_of(rows, step_ms))
+    r = merged(runs_of(rows, step_ms), step_ms)
     assert arrays.totals() == totals_by_loop(r)
     assert arrays.centre(step_ms) == centre_by_loop(r, step_ms)
     assert arrays.expand(step_ms) == expand(r, step_ms)
@@ -223,9 +228,10 @@ def test_run_arrays_equal_the_plain_loops_bit_for_bit(
     # each row made as two visits with equal measures: merged back into the same runs
     twice = [(1, *row[1:]) for row in rows for _ in range(2)]
     again = RunArrays.of(runs_of(twice, step_ms))
-    assert again.totals() == totals_by_loop(merged(runs_of(twice, step_ms)))
-    assert again.expand(step_ms) == expand(merged(runs_of(twice, step_ms)), step_ms)
-    assert len(again.t) == len(merged(runs_of(twice, step_ms)).t) <= len(rows)
+    plain = merged(runs_of(twice, step_ms), step_ms)
+    assert again.totals() == totals_by_loop(plain)
+    assert again.expand(step_ms) == expand(plain, step_ms)
+    assert len(again.t) == len(plain.t) <= len(rows)
 
 
 def test_the_zoom_centres_on_the_steepest_rise_from_a_quiet_load() -> None:

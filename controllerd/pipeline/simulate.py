@@ -323,14 +323,21 @@ class _Runs:
     ends, all at once: per visit, that was a third of the short path's work."""
 
     t: list[int] = field(default_factory=list)
-    count: list[int] = field(default_factory=list)
     measures: list[Measure] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
+    #: steps per row, set by :meth:`close`
+    count: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
 
-    def add(self, t: int, steps: int, measure: Measure) -> None:
+    def add(self, t: int, measure: Measure) -> None:
         self.t.append(t)
-        self.count.append(steps)
         self.measures.append(measure)
+
+    def close(self, end_ms: int, step_ms: int) -> None:
+        """Count each row's steps, up to ``end_ms`` (just after the last step). Rows tile
+        the steps, each starting where the one before ended, so a row's steps are the
+        gap to the next row's: not counted per visit (a tenth of a short-path visit)."""
+        bounds = np.array([*self.t, end_ms], dtype=np.int64)
+        self.count = (bounds[1:] - bounds[:-1]) // step_ms
 
 
 class _Idle:
@@ -476,7 +483,7 @@ class _Idle:
         end = last + step_ms
         after, then = self.after, self.then
         cut, c = self._start(t, change, end, sealed, retention_ms, until)
-        run_t, run_count, run_measures = runs.t, runs.count, runs.measures
+        run_t, run_measures = runs.t, runs.measures
         topic_at = self.topic_at
         while t <= last:
             if t >= cut:
@@ -513,12 +520,9 @@ class _Idle:
                     scores[g], firsts[g] = score, c0
                 w = written_at[g]
                 due = 0
-                if lazy:
+                if lazy and t - w > heartbeat_ms:  # (t - 1 - w) // heartbeat_ms > 0
                     due = (t - 1 - w) // heartbeat_ms
-                    if due > 0:
-                        w += due * heartbeat_ms
-                    else:
-                        due = 0
+                    w += due * heartbeat_ms
                 if quiet(written[g], c0, c1, c2, c3):
                     if heartbeat_ms and t - w >= hb_ms:
                         pending.append((g, 1, t, due, ZERO))
@@ -584,9 +588,7 @@ class _Idle:
             following = after[c]
             if following > cut:  # the first step at or after it (cut > t here)
                 following = t - (t - cut) // step_ms * step_ms
-            steps = ((following if following < end else end) - t) // step_ms
             run_t.append(t)
-            run_count.append(steps)
             run_measures.append((n, above, step_excess, step_msgs, hottest, topic_at[c]))
             t, c = following, then[c]
         for g in range(ng):
@@ -691,7 +693,7 @@ class _Idle:
         end = last + step_ms
         after, then = self.after, self.then
         cut, c = self._start(t, change, end, sealed, retention_ms, until)
-        run_t, run_count = runs.t, runs.count
+        run_t = runs.t
         first_row = len(run_t)
         share = 0.0
         shares_of: object = None
@@ -709,12 +711,9 @@ class _Idle:
             c0, c1, c2, c3 = t0 * share, t1 * share, t2 * share, t3 * share
             w = written_at
             due = 0
-            if lazy:
+            if lazy and t - w > heartbeat_ms:  # (t - 1 - w) // heartbeat_ms > 0
                 due = (t - 1 - w) // heartbeat_ms
-                if due > 0:
-                    w += due * heartbeat_ms
-                else:
-                    due = 0
+                w += due * heartbeat_ms
             o0, o1, o2, o3 = written
             if (  # Gate.quiet, inline: this is most of what an idle visit does
                 (
@@ -790,7 +789,6 @@ class _Idle:
             if following > cut:  # the first step at or after it (cut > t here)
                 following = t - (t - cut) // step_ms * step_ms
             run_t.append(t)
-            run_count.append(((following if following < end else end) - t) // step_ms)
             block.append(c)  # measured once the replay ends (RunArrays.of)
             t, c = following, then[c]
         self._hand_back(segs, written, written_at, changed_at, touched, wrote, stale_view)
@@ -1143,8 +1141,7 @@ def simulate(
             if retention_ms >= 0 and sealed:
                 nxt = min(nxt, sealed[0][0] + math.ceil(retention_ms))
             following = t + max(1, -(-(nxt - t) // step_ms)) * step_ms
-        steps = (min(following, last + step_ms) - t) // step_ms
-        runs.add(t, int(steps), measure)
+        runs.add(t, measure)
         t = following
 
     if lazy_heartbeats and not step_by_step:
@@ -1152,6 +1149,7 @@ def simulate(
         for rep in reporters.values():
             if rep.written_at is not None and rep.written is not None:
                 writes += max(0, (end_ms - 1 - rep.written_at) // heartbeat_ms)
+    runs.close(last + step_ms, step_ms)
     return _result(
         runs,
         dt,
@@ -1347,7 +1345,9 @@ class RunArrays:
         """The rows as runs: blocks measured, then consecutive equal rows merged (their
         steps added), as adding them one by one to the last equal run would."""
         t = np.array(runs.t, dtype=np.int64)
-        count = np.array(runs.count, dtype=np.int64)
+        count = np.asarray(runs.count, dtype=np.int64)
+        if len(count) != len(t):
+            raise ValueError("RunArrays.of: the rows are not closed (_Runs.close)")
         flat = chain.from_iterable(runs.measures)  # faster than from a list of tuples
         m = np.fromiter(flat, np.float64, 6 * len(runs.measures)).reshape(-1, 6)
         if runs.blocks:
