@@ -113,7 +113,7 @@ class AllBut(Sequence[str]):
     @overload
     def __getitem__(self, index: slice) -> Sequence[str]: ...
     def __getitem__(self, index: int | slice) -> str | Sequence[str]:
-        return tuple(self)[index]
+        return tuple(self)[index]  # a copy: nothing here indexes a fold's traces
 
     def __contains__(self, name: object) -> bool:
         return name in self.every and name not in self.left_out
