@@ -504,8 +504,14 @@ def ship_code(spark: SparkSession) -> str:
     return origin
 
 
-def history_rows(spark: SparkSession, root: str, max_hours: float | None = None) -> SparkFrame:
-    """A recorded history as trace rows (:data:`TRACE_DDL`), read by the executors.
+def history_rows(
+    spark: SparkSession,
+    root: str,
+    max_hours: float | None = None,
+    topics: Collection[str] | None = None,
+) -> SparkFrame:
+    """A recorded history as trace rows (:data:`TRACE_DDL`), read by the executors
+    (only ``topics``' if given: a second replay, whose malformed rows the first counted).
 
     One trace per topic: its load rows with a known hash range, in time order
     (then etcd revision), as :func:`controllerd.pipeline.traces.import_history`
@@ -533,9 +539,12 @@ def history_rows(spark: SparkSession, root: str, max_hours: float | None = None)
     for column in RATE_COLUMNS:
         ok = ok & (F.col(column) >= 0) & (F.col(column) < inf)
     ok = F.coalesce(ok, F.lit(False))  # a null anywhere is malformed too
-    bad = loads.where(~ok).count()  # one scan, as import_history counts on one machine
-    if bad:
-        print(f"controllerd: {root}: skipped {bad} malformed load rows", file=sys.stderr)
+    if topics is not None:
+        loads = loads.where(F.col("topic").isin(sorted(topics)))
+    else:
+        bad = loads.where(~ok).count()  # one scan, as import_history counts on one machine
+        if bad:
+            print(f"controllerd: {root}: skipped {bad} malformed load rows", file=sys.stderr)
     loads = loads.where(ok)
     if max_hours is not None:
         first = F.min("t_ms").over(Window.partitionBy("topic"))
@@ -600,12 +609,11 @@ def run_spark(
         if topics is not None:
             found &= set(topics)
         if found:
-            rows = history_rows(session, histories[0], max_hours)
+            only = found if topics is not None else None
+            rows = history_rows(session, histories[0], max_hours, only)
             for h in histories[1:]:
-                rows = rows.unionByName(history_rows(session, h, max_hours))
+                rows = rows.unionByName(history_rows(session, h, max_hours, only))
             names = session.createDataFrame(pd.DataFrame({"variant": [v.name for v in variants]}))
-            if topics is not None:
-                rows = rows.where(rows["trace"].isin(sorted(found)))
             count = len(found)
             parts.append(
                 _per_group(rows.crossJoin(names), count * len(variants)).applyInPandas(
