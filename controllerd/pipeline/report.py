@@ -545,7 +545,7 @@ def write_plots(results: pd.DataFrame, out: Path) -> dict[str, list[str]]:
     plot_dir = out / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
     files: dict[str, list[str]] = {}
-    records = [r for r in _records(results) if len(r["tl_t_ms"])]
+    records = _records(results[results["tl_t_ms"].map(len) > 0])  # not all of a fleet's
     for trace in dict.fromkeys(r["trace"] for r in records):
         rows = [r for r in records if r["trace"] == trace]
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(trace))

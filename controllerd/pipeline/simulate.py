@@ -1237,15 +1237,11 @@ def _result(
         hours=totals.steps * dt / 3600.0,
     )
     if timeline_points <= 0:
-        return SimResult(metrics, log, NO_TIMELINE, NO_TIMELINE, layout, visited)
-    return SimResult(
-        metrics,
-        log,
-        arrays.downsample(step_ms, timeline_points),
-        arrays.zoom(step_ms, zoom_seconds * 1000.0),
-        layout,
-        visited,
-    )
+        timeline = zoom = NO_TIMELINE
+    else:
+        timeline = arrays.downsample(step_ms, timeline_points)
+        zoom = arrays.zoom(step_ms, zoom_seconds * 1000.0)
+    return SimResult(metrics, log, timeline, zoom, layout, visited)
 
 
 RISE_MS: Final = 3_600_000
