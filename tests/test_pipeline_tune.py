@@ -28,6 +28,7 @@ from controllerd.pipeline.tune import (
     toml_snippet,
 )
 from controllerd.pipeline.variants import Variant, controllerd, default_variants
+from tests.support.shared import ROOT, traces_dir
 
 T0: Final = 1_420_070_400_000
 
@@ -289,3 +290,22 @@ def test_tune_rejects_a_bad_cross_validation(
         assert code == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("controllerd: ") and "--cv" in line
+
+
+def test_the_shipped_grid_chooses_the_shipped_defaults_and_carries_across_sets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What docs/backtest.md reports, on the shared traces: ``tune`` on
+    examples/tune-grid.toml picks the shipped ``[policy]`` defaults, and settings
+    chosen on one trace set meet every target on the other, both ways."""
+    shared = traces_dir()
+    out = tmp_path / "group"
+    args = ["tune", "--traces", str(shared / "nab"), str(shared / "aws"), "--grid",
+            str(ROOT / "examples" / "tune-grid.toml"), "--cv", "group", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert run_cli(args) == 0
+    assert "# (the shipped defaults)" in capsys.readouterr().out
+    report = (out / "tune.md").read_text(encoding="utf-8").splitlines()
+    for held_out, count in (("nab", 8), ("aws", 5)):
+        (row,) = [r for r in report if r.startswith(f"| {held_out} | {count} |")]
+        assert row.endswith("| **yes** |"), row

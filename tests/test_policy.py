@@ -716,6 +716,37 @@ def test_topic_history_counts_a_split_of_a_fresh_merge_as_a_flip_flop() -> None:
     assert TopicHistory.from_json({"x": 1, "4": {"flipflops": "many"}}).to_json() == {}
 
 
+def test_merge_regret_counts_a_split_of_a_merge_that_did_not_last() -> None:
+    """A merge split again 3 h later is past the 2 h merge window, so only the regret
+    horizon makes it count; a merge of a split's children is never a regret."""
+    base = dataclasses.replace(OURS, merge_window_seconds=7_200, merge_backoff_factor=2.0)
+    regret = dataclasses.replace(base, merge_regret_seconds=43_200)
+    later = NOW + 3 * 3_600_000
+    lay = layout_of(2)
+    merged = merge(lay, 0, 1, now_ms=NOW)
+    again = split(merged, 2, now_ms=later)
+    for policy, counted in ((base, False), (regret, True)):
+        history = TopicHistory()
+        assert not history.applied(lay, Merge(0, 1, "cold"), merged, NOW, policy, {})
+        got = history.applied(merged, Split(2, (0x8000,), "msgRateIn"), again, later, policy, {})
+        assert got is counted
+        child = history.annotate(3, cold(), later, policy)
+        assert merge_window_ms(child, policy, later) == 7_200_000 * (2 if counted else 1)
+    # Past the regret horizon the merge paid for itself.
+    late = NOW + 43_200_000
+    history = TopicHistory()
+    history.applied(lay, Merge(0, 1, "cold"), merged, NOW, regret, {})
+    far = split(merged, 2, now_ms=late)
+    assert not history.applied(merged, Split(2, (0x8000,), "msgRateIn"), far, late, regret, {})
+    # Merging a split's children 3 h later undoes nothing that regret judges.
+    one = layout_of(1)
+    halves = split(one, 0, now_ms=NOW)
+    joined = merge(halves, 1, 2, now_ms=later)
+    history = TopicHistory()
+    history.applied(one, Split(0, (0x8000,), "msgRateIn"), halves, NOW, regret, {})
+    assert not history.applied(halves, Merge(1, 2, "cold"), joined, later, regret, {})
+
+
 # --- when decide needs asking again -------------------------------------------------------------
 
 
@@ -750,6 +781,7 @@ def test_new_override_keys_resolve() -> None:
             "peakWindowSeconds": 600,
             "mergeBackoffFactor": 3,
             "mergeBackoffDecaySeconds": 60,
+            "mergeRegretSeconds": 14_400,
             "rangeSplitCooldown": True,
             "splitToPeak": True,
             "loadAwareSplits": False,
@@ -757,8 +789,9 @@ def test_new_override_keys_resolve() -> None:
     )
     assert isinstance(resolved, PolicySettings)
     assert (resolved.peak_window_seconds, resolved.merge_backoff_factor) == (600.0, 3.0)
-    assert resolved.merge_backoff_decay_seconds == 60.0
+    assert (resolved.merge_backoff_decay_seconds, resolved.merge_regret_seconds) == (60.0, 14_400.0)
     assert resolved.range_split_cooldown and resolved.split_to_peak
     assert not resolved.load_aware_splits
     assert isinstance(resolve_policy(OURS, {"rangeSplitCooldown": 1}), PolicyInvalid)
     assert isinstance(resolve_policy(OURS, {"mergeBackoffFactor": 0.5}), PolicyInvalid)
+    assert isinstance(resolve_policy(OURS, {"mergeRegretSeconds": -1}), PolicyInvalid)

@@ -783,6 +783,7 @@ def extended_policies(draw: st.DrawFn, merge_friendly: bool = False) -> PolicySe
         peak_window_seconds=draw(st.sampled_from([0.0, 600.0, 21_600.0])),
         merge_backoff_factor=draw(st.sampled_from([1.0, 2.0, 4.0])),
         merge_backoff_decay_seconds=draw(st.sampled_from([60.0, 3_600.0, 86_400.0])),
+        merge_regret_seconds=draw(st.sampled_from([0.0, 600.0, 43_200.0])),
         range_split_cooldown=draw(st.booleans()),
         split_to_peak=draw(st.booleans()),
         load_aware_splits=draw(st.booleans()),

@@ -354,6 +354,12 @@ class PolicySettings:
     merge_backoff_factor: float = 2.0
     #: ours: seconds of calm (no flip-flop) after which one flip-flop is forgotten.
     merge_backoff_decay_seconds: float = 86_400.0
+    #: ours: for ``merge_backoff_factor``, a merged range split again within this
+    #: many seconds of its merge counts as a flip-flop even after its merge window:
+    #: the merge did not last long enough to pay for its two operations (a daily
+    #: cycle's midday dip). 0 = only a split within the merge window counts.
+    #: Inert when the backoff is off. ``controllerd tune`` kept 0 on nab + aws.
+    merge_regret_seconds: float = 0.0
     #: ours: true = the split cooldown holds back only the children of a recent
     #: split (whose first records are the noisiest); any other range over its
     #: threshold splits at once. false = one split per topic per cooldown (Pulsar).
@@ -395,6 +401,7 @@ class PolicySettings:
             "merge_window_seconds",
             "load_ttl_seconds",
             "peak_window_seconds",
+            "merge_regret_seconds",
         ):
             value = getattr(self, name)
             if not 0 <= value <= MAX_POLICY_SECONDS:  # also NaN
@@ -431,6 +438,7 @@ PULSAR_PARITY: Final[Mapping[str, Any]] = {
     "load_ttl_seconds": 0.0,
     "peak_window_seconds": 0.0,
     "merge_backoff_factor": 1.0,
+    "merge_regret_seconds": 0.0,
     "range_split_cooldown": False,
     "split_to_peak": False,
 }

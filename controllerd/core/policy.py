@@ -13,7 +13,8 @@ and no ``cold_since_ms`` in samples):
 * the merge window measured from ``cold_since_ms`` when the sample carries it;
 * merges judged on each side's peak over ``peak_window_seconds`` (HPA's
   scale-down stabilisation), and a merge window that grows with a range's
-  recent flip-flops (``merge_backoff_factor``);
+  recent flip-flops (``merge_backoff_factor``), where a merge undone within
+  ``merge_regret_seconds`` counts as one too;
 * a split cooldown that holds back only a recent split's children
   (``range_split_cooldown``), and a fanout sized for the range's recent peak
   (``split_to_peak``);
@@ -81,6 +82,7 @@ _OVERRIDE_FIELDS: Final = {
     "peakWindowSeconds": "peak_window_seconds",
     "mergeBackoffFactor": "merge_backoff_factor",
     "mergeBackoffDecaySeconds": "merge_backoff_decay_seconds",
+    "mergeRegretSeconds": "merge_regret_seconds",
     "rangeSplitCooldown": "range_split_cooldown",
     "splitToPeak": "split_to_peak",
     "loadAwareSplits": "load_aware_splits",
@@ -1263,7 +1265,8 @@ class TopicHistory:
         loads: Mapping[int, LoadSample],
     ) -> bool:
         """Carry history over to the new segments of ``decision``; True if it was a flip-flop
-        (by this class's definition, which judges against the range's merge window)."""
+        (by this class's definition, which judges against the range's merge window, or
+        ``merge_regret_seconds`` when that is longer and the split undoes a merge)."""
         if isinstance(decision, Split):
             parents: tuple[int, ...] = (decision.segment_id,)
             parent = before.segments[decision.segment_id]
@@ -1289,6 +1292,8 @@ class TopicHistory:
             window = policy.merge_window_seconds * 1000.0
             if policy.merge_backoff_factor > 1.0:
                 window *= policy.merge_backoff_factor**steps
+            if undoes == 2:  # a split of a merged range: did the merge pay for itself?
+                window = max(window, policy.merge_regret_seconds * 1000.0)
             if len(seg.parent_ids) == undoes and now_ms - seg.created_at_ms < window:
                 flipflop = True
             counts.append(steps)
