@@ -747,6 +747,22 @@ def test_merge_regret_counts_a_split_of_a_merge_that_did_not_last() -> None:
     assert not history.applied(halves, Merge(1, 2, "cold"), joined, later, regret, {})
 
 
+def test_a_flip_flop_is_forgotten_once_per_calm_period_across_operations() -> None:
+    """Two flip-flops, then a day of calm, then a split: the children still answer for
+    one until the second day of calm ends (the split must not apply the first day's
+    decay a second time)."""
+    policy = dataclasses.replace(OURS, merge_backoff_factor=2.0, merge_backoff_decay_seconds=86_400)
+    day, window = 86_400_000, policy.merge_window_seconds * 1000.0
+    history = TopicHistory.from_json({"0": {"flipflops": 2, "lastFlipflopMs": NOW}})
+    lay = layout_of(1)
+    later = NOW + day + 3_600_000
+    halves = split(lay, 0, now_ms=later)
+    assert not history.applied(lay, Split(0, (0x8000,), "msgRateIn"), halves, later, policy, {})
+    for t, factor in ((later, 2), (NOW + 2 * day - 1, 2), (NOW + 2 * day, 1)):
+        child = history.annotate(1, cold(), t, policy)
+        assert merge_window_ms(child, policy, t) == window * factor, t
+
+
 # --- when decide needs asking again -------------------------------------------------------------
 
 

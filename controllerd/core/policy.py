@@ -1281,13 +1281,14 @@ class TopicHistory:
             if state is not None:
                 _expire(state, now_ms - window_ms)
         flipflop = False
-        counts: list[int] = []
-        lasts: list[int] = []
+        carried: list[tuple[int, int]] = []  # (flip-flops still answered for, clock start)
         for pid, state in zip(parents, states, strict=True):
             seg = before.segments[pid]
             count = state.flipflops if state is not None else 0
             last = state.last_flipflop_ms if state is not None else None
             steps = backoff_steps(count, last, policy, now_ms)
+            if steps and last is not None:
+                carried.append((steps, _rebased(last, policy, now_ms)))
             undoes = 2 if isinstance(decision, Split) else 1
             window = policy.merge_window_seconds * 1000.0
             if policy.merge_backoff_factor > 1.0:
@@ -1296,11 +1297,9 @@ class TopicHistory:
                 window = max(window, policy.merge_regret_seconds * 1000.0)
             if len(seg.parent_ids) == undoes and now_ms - seg.created_at_ms < window:
                 flipflop = True
-            counts.append(steps)
-            if last is not None:
-                lasts.append(last)
-        count = max(counts) + (1 if flipflop else 0)
-        last_ff = now_ms if flipflop else (max(lasts) if lasts else None)
+        count, last_ff = max(carried) if carried else (0, None)
+        if flipflop:
+            count, last_ff = count + 1, now_ms
         if isinstance(decision, Split):
             state = states[0]
             shares = _child_shares(parent, after, children, loads.get(parent.segment_id))
@@ -1325,6 +1324,15 @@ class TopicHistory:
         for pid in parents:
             self._ranges.pop(pid, None)
         return flipflop
+
+
+def _rebased(last_ms: int, policy: PolicySettings, now_ms: int) -> int:
+    """The calm clock of a range whose decayed count is stored: moved on by the decay
+    periods already applied, so they are not applied again from ``last_ms``."""
+    if now_ms <= last_ms:
+        return last_ms
+    decay_ms = policy.merge_backoff_decay_seconds * 1000.0
+    return last_ms + int((now_ms - last_ms) // decay_ms * decay_ms)
 
 
 def _expire(state: _Range, oldest_ms: float) -> None:
