@@ -761,6 +761,11 @@ def test_a_flip_flop_is_forgotten_once_per_calm_period_across_operations() -> No
     for t, factor in ((later, 2), (NOW + 2 * day - 1, 2), (NOW + 2 * day, 1)):
         child = history.annotate(1, cold(), t, policy)
         assert merge_window_ms(child, policy, t) == window * factor, t
+    # A count stored without a time never decays, and is carried as it is.
+    timeless = TopicHistory.from_json({"0": {"flipflops": 1}})
+    assert not timeless.applied(lay, Split(0, (0x8000,), "msgRateIn"), halves, later, policy, {})
+    child = timeless.annotate(2, cold(), NOW + 9 * day, policy)
+    assert merge_window_ms(child, policy, NOW + 9 * day) == window * 2
 
 
 # --- when decide needs asking again -------------------------------------------------------------

@@ -1281,14 +1281,14 @@ class TopicHistory:
             if state is not None:
                 _expire(state, now_ms - window_ms)
         flipflop = False
-        carried: list[tuple[int, int]] = []  # (flip-flops still answered for, clock start)
+        carried: list[tuple[int, int | None]] = []  # (flip-flops answered for, clock start)
         for pid, state in zip(parents, states, strict=True):
             seg = before.segments[pid]
             count = state.flipflops if state is not None else 0
             last = state.last_flipflop_ms if state is not None else None
             steps = backoff_steps(count, last, policy, now_ms)
-            if steps and last is not None:
-                carried.append((steps, _rebased(last, policy, now_ms)))
+            if steps:  # a count without a time (from an old record) never decays
+                carried.append((steps, None if last is None else _rebased(last, policy, now_ms)))
             undoes = 2 if isinstance(decision, Split) else 1
             window = policy.merge_window_seconds * 1000.0
             if policy.merge_backoff_factor > 1.0:
@@ -1297,7 +1297,7 @@ class TopicHistory:
                 window = max(window, policy.merge_regret_seconds * 1000.0)
             if len(seg.parent_ids) == undoes and now_ms - seg.created_at_ms < window:
                 flipflop = True
-        count, last_ff = max(carried) if carried else (0, None)
+        count, last_ff = max(carried, key=_latest) if carried else (0, None)
         if flipflop:
             count, last_ff = count + 1, now_ms
         if isinstance(decision, Split):
@@ -1324,6 +1324,12 @@ class TopicHistory:
         for pid in parents:
             self._ranges.pop(pid, None)
         return flipflop
+
+
+def _latest(carried: tuple[int, int | None]) -> tuple[int, float]:
+    """Order carried flip-flops: the larger count, then the later clock (none = never decays)."""
+    steps, start = carried
+    return steps, math.inf if start is None else start
 
 
 def _rebased(last_ms: int, policy: PolicySettings, now_ms: int) -> int:
