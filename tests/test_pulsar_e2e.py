@@ -354,7 +354,9 @@ async def test_enabled_false_in_pulsars_namespace_policy_stops_controllerd(
     await model.set_namespace_auto_scale_policy("acme", "ns", None)  # and back on
 
     async def split() -> bool:
-        return await _active(model, T1) == 2
+        # >= 2: a 5-way split is four midpoint splits on Pulsar, so exactly 2 active
+        # segments is a moment a slow poll can miss.
+        return await _active(model, T1) >= 2
 
     await wait_until(split, within=20)
 
