@@ -23,7 +23,7 @@ from pathlib import Path
 
 from controllerd.pipeline import engines
 from controllerd.pipeline.load import Trace
-from controllerd.pipeline.report import BASELINE
+from controllerd.pipeline.report import BASELINE, Targets
 from controllerd.pipeline.traces import TraceError, TraceOptions, discover
 from controllerd.pipeline.tune import Score, score
 from controllerd.pipeline.variants import Variant, controllerd, load_variants, pip483
@@ -52,7 +52,7 @@ def held_out(nab: Path, shared: Path) -> dict[str, tuple[list[Trace], list[str]]
 def _cell(s: Score) -> str:
     met = s.met
     flag = {k: "" if ok else " ❌" for k, ok in met.items()}
-    allowed = 0.05 * s.base_flipflops
+    allowed = Targets().max_flipflop_share * s.base_flipflops
     return (
         f"{-100 * s.excess_cut:.1f}%{flag['excess']} | {s.cost_ratio:.3f}x{flag['cost']} | "
         f"{s.operations} vs {s.base_operations}{flag['operations']} | "
@@ -73,8 +73,7 @@ def main() -> None:
         variants = [Variant(BASELINE, pip483()), *variants]
     sets = held_out(args.nab, traces_dir())
     print(f"{sum(len(t) for t, _ in sets.values())} traces held out, in {len(sets)} sets")
-    header = "| set | traces | variant | excess load | segment-hours | operations | flip-flops |"
-    print(header)
+    print("| set | traces | variant | excess load | segment-hours | operations | flip-flops |")
     print("|" + "---|" * 7)
     started = time.monotonic()
     for name, (traces, refused) in sets.items():

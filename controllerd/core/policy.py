@@ -220,19 +220,32 @@ def backoff_steps(
     of calm since the last, and at most :data:`MAX_BACKOFF_STEPS` count."""
     if flipflops <= 0:
         return 0
-    if last_flipflop_ms is not None and now_ms > last_flipflop_ms:
-        flipflops -= int(
-            (now_ms - last_flipflop_ms) // (policy.merge_backoff_decay_seconds * 1000.0)
-        )
+    if last_flipflop_ms is not None:
+        flipflops -= _calm_periods(last_flipflop_ms, policy, now_ms)
     return max(0, min(flipflops, MAX_BACKOFF_STEPS))
+
+
+def _calm_periods(last_flipflop_ms: int, policy: PolicySettings, now_ms: int) -> int:
+    """Whole ``merge_backoff_decay_seconds`` periods from the last flip-flop to ``now_ms``
+    (0 before it): each forgets one flip-flop."""
+    if now_ms <= last_flipflop_ms:
+        return 0
+    return int((now_ms - last_flipflop_ms) // (policy.merge_backoff_decay_seconds * 1000.0))
 
 
 def merge_window_ms(sample: LoadSample, policy: PolicySettings, now_ms: int) -> float:
     """How long (ms) this range must stay cold before it may merge: the merge window,
     times ``merge_backoff_factor`` per flip-flop it still answers for."""
-    window = policy.merge_window_seconds * 1000.0
     if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
         steps = backoff_steps(sample.flipflops, sample.last_flipflop_ms, policy, now_ms)
+        return _backed_off_ms(steps, policy)
+    return policy.merge_window_seconds * 1000.0
+
+
+def _backed_off_ms(steps: int, policy: PolicySettings) -> float:
+    """The merge window (ms) of a range that still answers for ``steps`` flip-flops."""
+    window = policy.merge_window_seconds * 1000.0
+    if policy.merge_backoff_factor > 1.0:
         window *= policy.merge_backoff_factor**steps
     return window
 
@@ -1290,9 +1303,7 @@ class TopicHistory:
             if steps:  # a count without a time (from an old record) never decays
                 carried.append((steps, None if last is None else _rebased(last, policy, now_ms)))
             undoes = 2 if isinstance(decision, Split) else 1
-            window = policy.merge_window_seconds * 1000.0
-            if policy.merge_backoff_factor > 1.0:
-                window *= policy.merge_backoff_factor**steps
+            window = _backed_off_ms(steps, policy)
             if undoes == 2:  # a split of a merged range: did the merge pay for itself?
                 window = max(window, policy.merge_regret_seconds * 1000.0)
             if len(seg.parent_ids) == undoes and now_ms - seg.created_at_ms < window:
@@ -1334,11 +1345,9 @@ def _latest(carried: tuple[int, int | None]) -> tuple[int, float]:
 
 def _rebased(last_ms: int, policy: PolicySettings, now_ms: int) -> int:
     """The calm clock of a range whose decayed count is stored: moved on by the decay
-    periods already applied, so they are not applied again from ``last_ms``."""
-    if now_ms <= last_ms:
-        return last_ms
+    periods already applied (:func:`_calm_periods`), so they are not applied again."""
     decay_ms = policy.merge_backoff_decay_seconds * 1000.0
-    return last_ms + int((now_ms - last_ms) // decay_ms * decay_ms)
+    return last_ms + int(_calm_periods(last_ms, policy, now_ms) * decay_ms)
 
 
 def _expire(state: _Range, oldest_ms: float) -> None:
