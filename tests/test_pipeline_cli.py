@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -350,3 +351,61 @@ def test_record_names_a_file_the_config_names_not_out(
     (line,) = capsys.readouterr().err.splitlines()
     assert "etcd.ca_file: cannot read" in line and "--out" not in line
     assert not out.exists()
+
+
+def test_a_spark_backtest_lists_each_recorded_history_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listing a history reads every file name under it (on a cluster, its storage):
+    ``backtest`` lists it once and hands the topics to both replays (the second replays
+    only the traces it plots). The engine here is the local one behind Spark's seam;
+    the real Spark path is ``test_pipeline_engines`` and the cluster test."""
+    from controllerd.pipeline import engines
+    from controllerd.pipeline.history import LOADS, write_rows
+    from controllerd.pipeline.traces import TraceOptions, discover
+
+    history = tmp_path / "history"
+    rates = {"byte_rate_in": 1e5, "msg_rate_out": 100.0, "byte_rate_out": 1e5}
+    rows = [
+        {
+            "topic": topic,
+            "observed_at_ms": 1_420_070_400_000 + 60_000 * i,
+            "t_ms": 1_420_070_400_000 + 60_000 * i,
+            "mod_revision": i,
+            "segment_id": 0,
+            "range_start": 0,
+            "range_end": 0xFFFF,
+            "changed_at_ms": 1_420_070_400_000,
+            "msg_rate_in": (16_000.0 if (i // 30) % 2 else 200.0) * scale,
+            **rates,
+        }
+        for topic, scale in (("t/n/a", 1.0), ("t/n/b", 2.0))
+        for i in range(120)
+    ]
+    write_rows(history, LOADS, rows)
+    listings: list[str] = []
+    calls: list[dict[str, object]] = []
+
+    class Session:
+        def stop(self) -> None:
+            pass
+
+    def run(engine: str, traces: object, variants: list[Any], options: Any, **kw: Any) -> Any:
+        calls.append(kw)
+        found = discover([history], TraceOptions())
+        wanted = [t for t in found if kw["topics"] is None or t.name in kw["topics"]]
+        return engines.run_local(wanted, variants, options, workers=1)
+
+    def listing(_: object, root: str) -> set[str]:
+        listings.append(root)
+        return {"t/n/a", "t/n/b"}
+
+    monkeypatch.setattr(engines, "spark_session", lambda *_: Session())
+    monkeypatch.setattr(engines, "ship_code", lambda _: "zip")
+    monkeypatch.setattr(engines, "history_topics", listing)
+    monkeypatch.setattr(engines, "run", run)
+    argv = ["backtest", "--engine", "spark", "--traces", str(history), "--no-progress"]
+    assert main([*argv, "--plot-traces", "1", "--out", str(tmp_path / "out")]) == 0
+    assert listings == [str(history.resolve())]
+    assert [c["topics"] for c in calls] == [None, ["t/n/b"]]
+    assert all(c["listed"] == {"t/n/a", "t/n/b"} for c in calls)

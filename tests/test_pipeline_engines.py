@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Final
 import pandas as pd
 import pytest
 
+from controllerd.pipeline import engines
 from controllerd.pipeline.engines import (
     RATE_COLUMNS,
     TIMELINE_COLUMNS,
@@ -260,6 +261,7 @@ def test_both_engines_skip_the_same_malformed_history_rows(
     variants: list[Variant],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Spark reads a history itself: it must drop what import_history drops, or the two
     engines would replay different rows."""
@@ -294,3 +296,15 @@ def test_both_engines_skip_the_same_malformed_history_rows(
     want = metrics(local[local["trace"] == "x/y/z"]).reset_index(drop=True)
     pd.testing.assert_frame_equal(metrics(some), want, check_exact=True)
     assert "malformed" not in capsys.readouterr().err  # the first replay said it once
+    # Topics the caller listed already are not listed again (a pass over every file name).
+    two = ["a/b/c", "x/y/z"]
+    with monkeypatch.context() as patch:
+        patch.setattr(engines, "history_topics", _listed_twice)
+        again = run_spark(
+            [], variants[:2], options, spark=spark, histories=[str(tmp_path)], listed=two
+        )
+    pd.testing.assert_frame_equal(metrics(again), metrics(local), check_exact=True)
+
+
+def _listed_twice(*_: object) -> set[str]:
+    raise AssertionError("history_topics called although the caller listed the topics")

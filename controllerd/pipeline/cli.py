@@ -439,14 +439,17 @@ def _execute(
             histories=histories,
             max_hours=args.max_hours,
             topics=topics,
+            listed=listed,
         )
 
+    listed: set[str] | None = None  # the histories' topics, listed once for both replays
     try:
         if spark is not None:
             args.executors_import = engines.ship_code(spark)
         count = len(traces)
         if spark is not None and histories:
-            count += sum(len(engines.history_topics(spark, h)) for h in histories)
+            listed = set().union(*(engines.history_topics(spark, h) for h in histories))
+            count += len(listed)
         if plot_traces >= count:
             results = replay(traces, options)
         else:

@@ -589,14 +589,17 @@ def run_spark(
     histories: Sequence[str] = (),
     max_hours: float | None = None,
     topics: Collection[str] | None = None,
+    listed: Collection[str] | None = None,
 ) -> pd.DataFrame:
     """Every trace x variant as ``groupBy(trace, variant).applyInPandas`` on Spark.
 
     Uses ``spark`` if given (and leaves it running), else starts a session on
     ``master`` and stops it afterwards. ``histories`` are recorder output
     directories the executors read themselves (only ``topics`` of them, if given).
-    Each (trace, variant) group gets its own shuffle partition where hashing allows,
-    so groups run in parallel.
+    ``listed``: their topics, when the caller has listed them already (listing
+    reads every file name of every history, on a cluster's storage). Each
+    (trace, variant) group gets its own shuffle partition where hashing allows, so
+    groups run in parallel.
     """
     session = spark if spark is not None else spark_session(master)
     shipped: Broadcast[dict[str, Trace]] | None = None
@@ -605,7 +608,11 @@ def run_spark(
         session.conf.set("spark.sql.execution.arrow.pyspark.enabled", "true")
         runner = GroupRunner({v.name: v.strategy for v in variants}, options)
         parts: list[SparkFrame] = []
-        found: set[str] = set().union(*(history_topics(session, h) for h in histories))
+        found = (
+            set(listed)
+            if listed is not None
+            else set().union(*(history_topics(session, h) for h in histories))
+        )
         if topics is not None:
             found &= set(topics)
         if found:
@@ -709,9 +716,10 @@ def run(
     histories: Sequence[str] = (),
     max_hours: float | None = None,
     topics: Collection[str] | None = None,
+    listed: Collection[str] | None = None,
 ) -> pd.DataFrame:
     """Run on ``engine``; ``histories`` (recorded, read by Spark's executors; only
-    ``topics`` of them if given) are Spark only."""
+    ``topics`` of them if given; ``listed``: all their topics, if known) are Spark only."""
     if engine == "local":
         return run_local(traces, variants, options, workers=workers, progress=progress)
     return run_spark(
@@ -724,4 +732,5 @@ def run(
         histories=histories,
         max_hours=max_hours,
         topics=topics,
+        listed=listed,
     )
