@@ -18,7 +18,7 @@ from controllerd.adapters.election import Leadership, current_leader
 from controllerd.adapters.store import KeyValue, Store, open_store
 from controllerd.core.layout import initial_layout, prune
 from controllerd.core.model import Decision, PolicySettings, TopicName, layout_from_json
-from controllerd.core.view import Keys, TopicState
+from controllerd.core.view import Keys, LoadTable, TopicState
 from controllerd.daemon import controller as controller_module
 from controllerd.daemon.controller import Controller
 from tests.support.broker import layout_json
@@ -591,6 +591,41 @@ async def test_a_flip_flop_is_remembered_in_etcd_for_the_next_leader(
         ) as h2:
             history = h2.controller.view.topics[TOPIC].history
             assert history is not None and history.to_json() == ranges
+
+
+async def test_a_recent_rise_holds_a_merge_back_until_it_decays(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """With merge_headroom_half_life_seconds the leader keeps each range's largest recent
+    rise from the records it follows; a cold pair that would not keep room for it is
+    held back (reason merge-headroom) and merges once the rise has decayed."""
+    config = (
+        "[policy]\nmerge_window_seconds = 300\nmerge_cooldown_seconds = 0\n"
+        "merge_headroom_half_life_seconds = 3600\n"
+    )
+    with structlog.testing.capture_logs() as logs:
+        async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=config) as h:
+            await h.add_topic(segments=2)
+            await h.put_load(0, 100.0)
+            await h.put_load(1, 100.0)
+
+            def loads() -> LoadTable:
+                return h.controller.view.topics[TOPIC].loads
+
+            await eventually(lambda: TOPIC in h.controller.view.topics and len(loads()) == 2)
+            await h.clock.advance(1.0)
+            await h.put_load(0, 9_100.0)  # 0.01 -> 0.91 split thresholds: a rise of 0.9
+            await eventually(lambda: loads().cold(0) is None)
+            await h.clock.advance(1.0)
+            await h.put_load(0, 100.0)
+            await eventually(lambda: loads().cold(0) is not None)
+            await h.clock.advance(301.0)  # both past the window; 0.9 decayed to 0.85
+            await h.put_load(1, 101.0)
+            await eventually(lambda: any(e.get("reason") == "merge-headroom" for e in logs))
+            assert h.requests("/merge/") == 0
+            await h.clock.advance(500.0)  # 0.9 decayed to 0.77: 0.02 + 0.77 < 0.8
+            await h.put_load(1, 102.0)
+            await eventually(lambda: h.requests("/merge/") == 1)
 
 
 class OrderedController(Controller):

@@ -35,12 +35,23 @@ policy.peak_window_seconds = 7200
 policy.merge_backoff_factor = 3.0
 policy.merge_backoff_decay_seconds = 3600
 policy.merge_regret_seconds = 7200
+policy.merge_headroom_half_life_seconds = 3600
 policy.range_split_cooldown = true
 policy.split_to_peak = true
 policy.merge_window_seconds = 1200
 simulator.hash_buckets = 16
 """
 )[0].strategy
+
+HEADROOM: Final = parse_variants(
+    """
+[variants.headroom]
+preset = "controllerd"
+policy.merge_headroom_half_life_seconds = 7200
+"""
+)[0].strategy
+"""The defaults with the rise headroom alone: merges it holds back until a rise decays
+are woken by ``next_decision_ms``, not by a record or a peak leaving its window."""
 
 
 def both(
@@ -93,6 +104,7 @@ def test_event_driven_replay_equals_step_by_step_on_the_shared_traces(
         (pip483(), Skew(), uniform),
         (controllerd(), Skew(), uniform),
         (EVERYTHING_ON, Skew.parse("hotspot:0.4:12:2048"), None),
+        (HEADROOM, Skew(), None),
     ):
         fast, slow = both(trace, strategy, skew, source=source)
         assert_identical(fast, slow)
@@ -136,7 +148,7 @@ levels = st.lists(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     levels=levels,
-    preset=st.sampled_from(["pip483", "controllerd", "on", "buckets", "static-4"]),
+    preset=st.sampled_from(["pip483", "controllerd", "on", "headroom", "buckets", "static-4"]),
     skew=st.sampled_from(["uniform", "zipf:1.2:50", "hotkey:0.5", "hotspot:0.6:1:512"]),
     changes=st.fixed_dictionaries(
         {
@@ -162,6 +174,10 @@ def test_event_driven_replay_equals_step_by_step_on_random_load(
         "pip483": pip483(),
         "controllerd": controllerd(),
         "on": EVERYTHING_ON,
+        "headroom": dataclasses.replace(
+            HEADROOM,
+            policy=dataclasses.replace(HEADROOM.policy, merge_headroom_half_life_seconds=600),
+        ),
         "buckets": dataclasses.replace(controllerd(), hash_buckets=16),
         "static-4": static(4),
     }[preset]

@@ -768,6 +768,81 @@ def test_a_flip_flop_is_forgotten_once_per_calm_period_across_operations() -> No
     assert merge_window_ms(child, policy, NOW + 9 * day) == window * 2
 
 
+# --- headroom for a recent rise ---------------------------------------------------------------
+
+HEADROOM = dataclasses.replace(OURS, merge_headroom_half_life_seconds=3_600.0)
+
+
+def test_a_pair_that_rose_lately_keeps_room_for_the_rise_until_it_decays() -> None:
+    """Range 0 jumped from 0.01 to 0.91 split thresholds between two records and fell
+    back: merged with its cold neighbour (0.02 together) it must keep room for 0.9, which
+    reaches 0.8 until the rise has decayed below 0.78, log2(0.9 / 0.78) half-lives on."""
+    history = TopicHistory()
+    rose_at = NOW - 60_000
+    for t, level in ((NOW - 120_000, 100), (rose_at, 9_100), (NOW, 100)):
+        history.observe(0, rates(level), t, HEADROOM)
+    history.observe(1, rates(100), NOW, HEADROOM)
+    lay = layout_of(2)
+
+    def loads(t: int) -> dict[int, LoadSample]:
+        return {sid: history.annotate(sid, cold(100), t, HEADROOM) for sid in (0, 1)}
+
+    assert loads(rose_at)[0].rise == pytest.approx(0.9)
+    assert loads(NOW)[1].rise == 0  # it never rose
+    d = decide(lay, loads(NOW), {}, HEADROOM, NOW)
+    assert isinstance(d, NoAction) and d.reason == "merge-headroom"
+    wake = next_decision_ms(lay, loads(NOW), HEADROOM, NOW)
+    assert wake == rose_at + math.floor(3_600_000 * math.log2(0.9 / 0.78))
+    assert not isinstance(decide(lay, loads(wake - 1), {}, HEADROOM, wake - 1), Merge)
+    assert isinstance(decide(lay, loads(wake + 1), {}, HEADROOM, wake + 1), Merge)
+    # Off (0) and Pulsar's infinite ratio ignore it.
+    assert isinstance(decide(lay, loads(NOW), {}, OURS, NOW), Merge)
+    pulsar = dataclasses.replace(HEADROOM, merge_combined_max_ratio=math.inf)
+    assert isinstance(decide(lay, loads(NOW), {}, pulsar, NOW), Merge)
+    assert next_decision_ms(lay, loads(NOW), pulsar, NOW) is None
+
+
+def test_a_rise_is_handed_down_and_survives_a_new_leader() -> None:
+    """A split child takes its share of the parent's rise, a merge child the sum of its
+    parents' (each decayed to the merge), and the persisted history restores both."""
+    history = TopicHistory()
+    history.observe(0, rates(0), NOW, HEADROOM)
+    history.observe(0, rates(8_000), NOW + 60_000, HEADROOM)  # a rise of 0.8
+    one = layout_of(1)
+    halves = split(one, 0, now_ms=NOW + 120_000)
+    history.applied(one, Split(0, (0x8000,), "msgRateIn"), halves, NOW + 120_000, HEADROOM, {})
+    child = history.annotate(1, cold(), NOW + 60_000, HEADROOM)
+    assert child.rise == pytest.approx(0.4)  # half the width, half the rise
+    hour_on = NOW + 60_000 + 3_600_000
+    assert history.annotate(2, cold(), hour_on, HEADROOM).rise == pytest.approx(0.2)
+    joined = merge(halves, 1, 2, now_ms=hour_on)
+    history.applied(halves, Merge(1, 2, "cold"), joined, hour_on, HEADROOM, {})
+    assert history.annotate(3, cold(), hour_on, HEADROOM).rise == pytest.approx(0.4)
+    # The next record rises from the merged range's last score (0.8), not from 0.
+    history.observe(3, rates(9_000), hour_on + 1, HEADROOM)
+    assert history.annotate(3, cold(), hour_on + 1, HEADROOM).rise == pytest.approx(0.4)
+    restored = TopicHistory.from_json(json.loads(json.dumps(history.to_json())))
+    later = hour_on + 7_200_000
+    assert restored.annotate(3, cold(), later, HEADROOM) == history.annotate(
+        3, cold(), later, HEADROOM
+    )
+    assert restored.annotate(3, cold(), later, HEADROOM).rise == pytest.approx(0.1)
+    # `controllerd decide` reads and writes it in LOAD.json as "rise".
+    annotated = history.annotate(3, cold(), later, HEADROOM)
+    assert load_sample_to_json(annotated)["rise"] == annotated.rise
+    assert load_sample_from_json(load_sample_to_json(annotated)) == annotated
+    with pytest.raises(ModelError, match="rise"):
+        load_sample_from_json({**load_sample_to_json(annotated), "rise": -1})
+    # A malformed rise drops the range (history is advice), not the daemon.
+    for bad in ("-1", "NaN", "x"):
+        assert TopicHistory.from_json({"5": {"rise": bad}}).to_json() == {}
+    # Without the setting nothing is kept.
+    quiet = TopicHistory()
+    quiet.observe(0, rates(0), NOW, OURS)
+    quiet.observe(0, rates(8_000), NOW + 1, OURS)
+    assert 0 not in quiet
+
+
 # --- when decide needs asking again -------------------------------------------------------------
 
 
@@ -803,6 +878,7 @@ def test_new_override_keys_resolve() -> None:
             "mergeBackoffFactor": 3,
             "mergeBackoffDecaySeconds": 60,
             "mergeRegretSeconds": 14_400,
+            "mergeHeadroomHalfLifeSeconds": 7_200,
             "rangeSplitCooldown": True,
             "splitToPeak": True,
             "loadAwareSplits": False,
@@ -811,8 +887,10 @@ def test_new_override_keys_resolve() -> None:
     assert isinstance(resolved, PolicySettings)
     assert (resolved.peak_window_seconds, resolved.merge_backoff_factor) == (600.0, 3.0)
     assert (resolved.merge_backoff_decay_seconds, resolved.merge_regret_seconds) == (60.0, 14_400.0)
+    assert resolved.merge_headroom_half_life_seconds == 7_200.0
     assert resolved.range_split_cooldown and resolved.split_to_peak
     assert not resolved.load_aware_splits
     assert isinstance(resolve_policy(OURS, {"rangeSplitCooldown": 1}), PolicyInvalid)
     assert isinstance(resolve_policy(OURS, {"mergeBackoffFactor": 0.5}), PolicyInvalid)
     assert isinstance(resolve_policy(OURS, {"mergeRegretSeconds": -1}), PolicyInvalid)
+    assert isinstance(resolve_policy(OURS, {"mergeHeadroomHalfLifeSeconds": -1}), PolicyInvalid)

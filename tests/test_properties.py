@@ -721,6 +721,7 @@ def history_fields(draw: st.DrawFn, policy: PolicySettings, now: int) -> dict[st
         "peak_rates": draw(st.none() | st.just(0).map(lambda _: draw_rates(draw, policy, "any"))),
         "flipflops": draw(st.integers(0, 9)),
         "last_flipflop_ms": draw(st.none() | AGO.map(lambda ago: now - ago)),
+        "rise": draw(st.sampled_from([0.0, 0.05, 0.5, 3.0])),
     }
 
 
@@ -730,6 +731,7 @@ def off(policy: PolicySettings) -> PolicySettings:
         policy,
         peak_window_seconds=0.0,
         merge_backoff_factor=1.0,
+        merge_headroom_half_life_seconds=0.0,
         range_split_cooldown=False,
         split_to_peak=False,
         load_aware_splits=False,
@@ -784,6 +786,7 @@ def extended_policies(draw: st.DrawFn, merge_friendly: bool = False) -> PolicySe
         merge_backoff_factor=draw(st.sampled_from([1.0, 2.0, 4.0])),
         merge_backoff_decay_seconds=draw(st.sampled_from([60.0, 3_600.0, 86_400.0])),
         merge_regret_seconds=draw(st.sampled_from([0.0, 600.0, 43_200.0])),
+        merge_headroom_half_life_seconds=draw(st.sampled_from([0.0, 600.0, 86_400.0])),
         range_split_cooldown=draw(st.booleans()),
         split_to_peak=draw(st.booleans()),
         load_aware_splits=draw(st.booleans()),

@@ -229,6 +229,10 @@ class LoadSample:
     #: and when it last did; ``policy.merge_backoff_*`` lengthens its merge window.
     flipflops: int = 0
     last_flipflop_ms: int | None = None
+    #: ours, kept by the caller: the largest rise of this range's load between two of
+    #: its records, in split thresholds (the split score's units), halved every
+    #: ``policy.merge_headroom_half_life_seconds`` since; a merge leaves room for it.
+    rise: float = 0.0
 
     def with_cold_since(self, cold_since_ms: int) -> LoadSample:
         """This sample with ``cold_since_ms`` set: ``dataclasses.replace``, built
@@ -243,6 +247,7 @@ class LoadSample:
             self.peak_rates,
             self.flipflops,
             self.last_flipflop_ms,
+            self.rise,
         )
 
 
@@ -360,6 +365,12 @@ class PolicySettings:
     #: cycle's midday dip). 0 = only a split within the merge window counts.
     #: Inert when the backoff is off. ``controllerd tune`` kept 0 on nab + aws.
     merge_regret_seconds: float = 0.0
+    #: ours: 0 = off. A pair merges only if its combined load plus the largest rise
+    #: either range made between two of its records (in split thresholds, halved
+    #: every this many seconds since) stays under ``merge_combined_max_ratio``: a
+    #: range that jumped lately keeps room to jump again (headroom from recent
+    #: volatility). About 170 bytes a range in ``TopicHistory``, not a queue of records.
+    merge_headroom_half_life_seconds: float = 0.0
     #: ours: true = the split cooldown holds back only the children of a recent
     #: split (whose first records are the noisiest); any other range over its
     #: threshold splits at once. false = one split per topic per cooldown (Pulsar).
@@ -402,6 +413,7 @@ class PolicySettings:
             "load_ttl_seconds",
             "peak_window_seconds",
             "merge_regret_seconds",
+            "merge_headroom_half_life_seconds",
         ):
             value = getattr(self, name)
             if not 0 <= value <= MAX_POLICY_SECONDS:  # also NaN
@@ -439,6 +451,7 @@ PULSAR_PARITY: Final[Mapping[str, Any]] = {
     "peak_window_seconds": 0.0,
     "merge_backoff_factor": 1.0,
     "merge_regret_seconds": 0.0,
+    "merge_headroom_half_life_seconds": 0.0,
     "range_split_cooldown": False,
     "split_to_peak": False,
 }
@@ -710,6 +723,7 @@ def load_sample_from_json(
         last_flipflop_ms=_int(obj, "lastFlipflopMs", where)
         if obj.get("lastFlipflopMs") is not None
         else None,
+        rise=_number(obj, ("rise",), where) if obj.get("rise") is not None else 0.0,
     )
 
 
@@ -828,4 +842,6 @@ def load_sample_to_json(sample: LoadSample) -> dict[str, Any]:
         out["flipflops"] = sample.flipflops
     if sample.last_flipflop_ms is not None:
         out["lastFlipflopMs"] = sample.last_flipflop_ms
+    if sample.rise:
+        out["rise"] = sample.rise
     return out

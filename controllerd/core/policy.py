@@ -15,6 +15,8 @@ and no ``cold_since_ms`` in samples):
   scale-down stabilisation), and a merge window that grows with a range's
   recent flip-flops (``merge_backoff_factor``), where a merge undone within
   ``merge_regret_seconds`` counts as one too;
+* a merge leaves room for either range's largest recent rise between two of its
+  records (``merge_headroom_half_life_seconds``, headroom from recent volatility);
 * a split cooldown that holds back only a recent split's children
   (``range_split_cooldown``), and a fanout sized for the range's recent peak
   (``split_to_peak``);
@@ -22,7 +24,7 @@ and no ``cold_since_ms`` in samples):
   a hot key isolated in the narrowest allowed child, and no split that would
   not relieve it (``hot-key``).
 
-The history those rules need (peaks, flip-flops) is not decide's to keep: the
+The history those rules need (peaks, flip-flops, rises) is not decide's to keep: the
 caller keeps a :class:`TopicHistory` per topic and hands it in on the samples,
 so ``decide`` stays a function of its arguments. Segments are visited in
 ascending id, so ties always go to the lower id.
@@ -39,7 +41,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 from controllerd.core.layout import MergeDepths, equal_boundaries
@@ -83,6 +85,7 @@ _OVERRIDE_FIELDS: Final = {
     "mergeBackoffFactor": "merge_backoff_factor",
     "mergeBackoffDecaySeconds": "merge_backoff_decay_seconds",
     "mergeRegretSeconds": "merge_regret_seconds",
+    "mergeHeadroomHalfLifeSeconds": "merge_headroom_half_life_seconds",
     "rangeSplitCooldown": "range_split_cooldown",
     "splitToPeak": "split_to_peak",
     "loadAwareSplits": "load_aware_splits",
@@ -833,16 +836,32 @@ def _cold_flags(
     return flags
 
 
+def _headroom_short(sa: LoadSample, sb: LoadSample, policy: PolicySettings) -> float:
+    """How far (in split thresholds) the pair's combined load plus both recent rises
+    reaches past ``merge_combined_max_ratio``; < 0: the merge leaves enough room (-inf
+    with no rise, or with the setting off)."""
+    rise = sa.rise + sb.rise
+    off = policy.merge_headroom_half_life_seconds <= 0
+    if rise <= 0 or off or math.isinf(policy.merge_combined_max_ratio):
+        return -math.inf
+    both = Rates(*(x + y for x, y in zip(sa.rates.as_tuple(), sb.rates.as_tuple(), strict=True)))
+    combined = split_score(both, policy.split_thresholds)[0]
+    return combined + rise - policy.merge_combined_max_ratio
+
+
 def _merge_pass(
     layout: Layout,
     active: Sequence[Segment],
     loads: Mapping[int, LoadSample],
     policy: PolicySettings,
     now_ms: int,
-) -> Merge | None:
+) -> Merge | NoAction | None:
+    """The coldest ripe pair's merge; NoAction ``merge-headroom`` if every ripe pair
+    was refused only for a recent rise; None if no pair is ripe."""
     cold = _cold_flags(active, loads, policy, now_ms)
     depths: MergeDepths | None = None
     best: tuple[float, int, int] | None = None
+    short: tuple[int, int, float] | None = None  # a pair refused for headroom
     on_peak = policy.peak_window_seconds > 0
     for i in range(len(active) - 1):
         if not (cold[i] and cold[i + 1]):
@@ -861,6 +880,9 @@ def _merge_pass(
                 continue
         elif not _combined_ok(ra, rb, policy):
             continue
+        if _headroom_short(sa, sb, policy) >= 0:
+            short = short or (a.segment_id, b.segment_id, sa.rise + sb.rise)
+            continue
         key = (
             sum(ra.as_tuple()) + sum(rb.as_tuple()),
             min(a.segment_id, b.segment_id),
@@ -869,7 +891,14 @@ def _merge_pass(
         if best is None or key < best:
             best = key
     if best is None:
-        return None
+        if short is None:
+            return None
+        return NoAction(
+            "merge-headroom",
+            f"adjacent segments {short[0]} and {short[1]} are cold, but their combined load "
+            f"plus their recent rise ({short[2]:.2f} split thresholds) would reach "
+            f"{policy.merge_combined_max_ratio:g} of a split threshold",
+        )
     first, second = (
         (best[1], best[2])
         if layout.segments[best[1]].hash_range.start < layout.segments[best[2]].hash_range.start
@@ -946,7 +975,10 @@ def decide(
         )
     elif n > policy.min_segments:
         if _within(last_merge_ms, policy.merge_cooldown_seconds, now_ms):
-            if blocked is None and _merge_pass(layout, active, loads, policy, now_ms):
+            merged = _merge_pass(layout, active, loads, policy, now_ms)
+            if blocked is None and isinstance(merged, NoAction):
+                blocked = merged
+            elif blocked is None and merged is not None:
                 blocked = NoAction(
                     "merge-cooldown",
                     f"a cold pair could merge but the last merge was less than "
@@ -954,8 +986,9 @@ def decide(
                 )
         else:
             merged = _merge_pass(layout, active, loads, policy, now_ms)
-            if merged is not None:
+            if isinstance(merged, Merge):
                 return merged
+            blocked = blocked or merged
     return blocked or NoAction("balanced", f"{n} active segments; no split or merge is due")
 
 
@@ -1048,7 +1081,8 @@ def next_decision_ms(
     with the same inputs, or None if time alone never changes its answer.
 
     Time enters ``decide`` only through cooldowns, merge windows (and their
-    backoff decay) and record staleness; this lists when each runs out. It is
+    backoff decay), record staleness and the decay of recent rises; this lists
+    when each runs out. It is
     conservative: a time may come before any change, never after one. A caller
     that holds its inputs still (the backtest's event-driven replay, a daemon
     timer) need not decide again before it.
@@ -1070,14 +1104,38 @@ def next_decision_ms(
         at_or_after(last_split_ms + split_ms)
     if last_merge_ms is not None and last_merge_ms >= 0:
         at_or_after(last_merge_ms + policy.merge_cooldown_seconds * 1000.0)
-    for seg in layout.active_segments():
+    active = layout.active_segments()
+    for seg in active:
         if policy.range_split_cooldown and len(seg.parent_ids) <= 1:
             at_or_after(seg.created_at_ms)
             at_or_after(seg.created_at_ms + split_ms)
         sample = loads.get(seg.segment_id)
         if sample is not None:
             found.extend(_record_wakes(sample, policy, now_ms))
+    if policy.merge_headroom_half_life_seconds > 0:
+        for a, b in itertools.pairwise(active):
+            sa, sb = loads.get(a.segment_id), loads.get(b.segment_id)
+            if sa is not None and sb is not None:
+                roomy = _headroom_ms(sa, sb, policy, now_ms)
+                if roomy is not None:
+                    found.append(roomy)
     return int(min(found)) if found else None
+
+
+def _headroom_ms(sa: LoadSample, sb: LoadSample, policy: PolicySettings, now_ms: int) -> int | None:
+    """When the pair's recent rises will have decayed enough for ``merge-headroom`` to let
+    it merge (with these records), or None if it already does or never will. Rounded
+    down, so it is never late: both rises halve together, so their sum at ``now + d`` is
+    ``(sa.rise + sb.rise) * 2 ** (-d / half_life)``."""
+    rise = sa.rise + sb.rise
+    over = _headroom_short(sa, sb, policy)
+    if over < 0:
+        return None
+    room = rise - over  # what the rise must fall below
+    if room <= 0:
+        return None  # the combined load alone reaches the ratio: no decay helps
+    half_life_ms = policy.merge_headroom_half_life_seconds * 1000.0
+    return max(now_ms + 1, math.floor(now_ms + half_life_ms * math.log2(rise / room)))
 
 
 def _record_wakes(sample: LoadSample, policy: PolicySettings, now_ms: int) -> list[int]:
@@ -1134,13 +1192,25 @@ def next_ripe_ms(
 @dataclass(slots=True)
 class _Range:
     """One segment's history: per rate, a deque of (t_ms, value) with values decreasing
-    (a monotonic queue: its head is the window's maximum), and its flip-flops."""
+    (a monotonic queue: its head is the window's maximum; none without a peak window:
+    four empty deques are 2.5 KiB a range), its flip-flops, and its largest recent
+    rise (``rise`` at ``rise_ms``, decaying from then) with the split score of its
+    last record (``score``, what the next record rises from)."""
 
-    peaks: tuple[deque[tuple[int, float]], ...] = field(
-        default_factory=lambda: (deque(), deque(), deque(), deque())
-    )
+    peaks: tuple[deque[tuple[int, float]], ...] = ()
     flipflops: int = 0
     last_flipflop_ms: int | None = None
+    rise: float = 0.0
+    rise_ms: int = 0
+    score: float | None = None
+
+
+def _decayed(rise: float, since_ms: int, policy: PolicySettings, now_ms: int) -> float:
+    """``rise`` measured at ``since_ms``, halved every ``merge_headroom_half_life_seconds``."""
+    half_life_ms = policy.merge_headroom_half_life_seconds * 1000.0
+    if rise <= 0 or half_life_ms <= 0:
+        return 0.0
+    return rise * math.pow(2.0, -max(0, now_ms - since_ms) / half_life_ms)
 
 
 class TopicHistory:
@@ -1174,11 +1244,23 @@ class TopicHistory:
     def observe(self, segment_id: int, rates: Rates, now_ms: int, policy: PolicySettings) -> None:
         """A record of ``rates`` was written for ``segment_id`` at ``now_ms``."""
         window_ms = policy.peak_window_seconds * 1000.0
-        if window_ms <= 0:
+        headroom = policy.merge_headroom_half_life_seconds > 0
+        if window_ms <= 0 and not headroom:
             return
         state = self._ranges.get(segment_id)
         if state is None:
             state = self._ranges[segment_id] = _Range()
+        if headroom:
+            score = split_score(rates, policy.split_thresholds)[0]
+            if state.score is not None:
+                jump = score - state.score
+                if jump > _decayed(state.rise, state.rise_ms, policy, now_ms):
+                    state.rise, state.rise_ms = jump, now_ms
+            state.score = score
+        if window_ms <= 0:
+            return
+        if not state.peaks:
+            state.peaks = (deque(), deque(), deque(), deque())
         for queue, value in zip(state.peaks, rates.as_tuple(), strict=True):
             while queue and queue[-1][1] <= value:
                 queue.pop()
@@ -1213,18 +1295,21 @@ class TopicHistory:
     def annotate(
         self, segment_id: int, sample: LoadSample, now_ms: int, policy: PolicySettings
     ) -> LoadSample:
-        """``sample`` with this range's peak and flip-flops (unchanged if it has none)."""
+        """``sample`` with this range's peak, flip-flops and recent rise (unchanged if it
+        has none)."""
         state = self._ranges.get(segment_id)
         if state is None:
             return sample
         peak = self.peak(segment_id, now_ms, policy)
-        if peak is None and state.flipflops == 0:
+        rise = _decayed(state.rise, state.rise_ms, policy, now_ms)
+        if peak is None and state.flipflops == 0 and rise == 0:
             return sample
         return dataclasses.replace(
             sample,
             peak_rates=peak,
             flipflops=state.flipflops,
             last_flipflop_ms=state.last_flipflop_ms,
+            rise=rise,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -1234,6 +1319,9 @@ class TopicHistory:
                 "peaks": [[[t, v] for t, v in q] for q in state.peaks],
                 "flipflops": state.flipflops,
                 "lastFlipflopMs": state.last_flipflop_ms,
+                "rise": state.rise,
+                "riseMs": state.rise_ms,
+                "score": state.score,
             }
             for sid, state in sorted(self._ranges.items())
         }
@@ -1251,9 +1339,13 @@ class TopicHistory:
                     deque((int(t), float(v)) for t, v in queue) for queue in raw.get("peaks", [])
                 )
                 last = raw.get("lastFlipflopMs")
+                score = raw.get("score")
                 state = _Range(
                     flipflops=max(0, int(raw.get("flipflops", 0))),
                     last_flipflop_ms=int(last) if last is not None else None,
+                    rise=_finite(raw.get("rise", 0.0)),
+                    rise_ms=int(raw.get("riseMs", 0)),
+                    score=_finite(score) if score is not None else None,
                 )
             except (TypeError, ValueError, AttributeError):
                 continue
@@ -1318,23 +1410,40 @@ class TopicHistory:
                 new = _Range(flipflops=count, last_flipflop_ms=last_ff)
                 if state is not None:
                     new.peaks = tuple(deque((t, v * share) for t, v in q) for q in state.peaks)
-                if count or any(new.peaks):
+                    new.rise, new.rise_ms = state.rise * share, state.rise_ms
+                    new.score = None if state.score is None else state.score * share
+                if count or any(new.peaks) or new.rise or new.score is not None:
                     self._ranges[child] = new
         else:
             new = _Range(flipflops=count, last_flipflop_ms=last_ff)
             peaks = []
             for k in range(4):
-                heads = [s.peaks[k][0] for s in states if s is not None and s.peaks[k]]
+                heads = [s.peaks[k][0] for s in states if s is not None and s.peaks and s.peaks[k]]
                 if heads:
                     peaks.append(deque([(max(t for t, _ in heads), sum(v for _, v in heads))]))
                 else:
                     peaks.append(deque())
-            new.peaks = tuple(peaks)
-            if count or any(new.peaks):
+            new.peaks = tuple(peaks) if any(peaks) else ()
+            # the merged range may rise by what both parts did (each decayed to now)
+            new.rise = sum(
+                _decayed(p.rise, p.rise_ms, policy, now_ms) for p in states if p is not None
+            )
+            new.rise_ms = now_ms
+            scores = [p.score for p in states if p is not None and p.score is not None]
+            new.score = sum(scores) if scores else None
+            if count or any(new.peaks) or new.rise or new.score is not None:
                 self._ranges[children[0]] = new
         for pid in parents:
             self._ranges.pop(pid, None)
         return flipflop
+
+
+def _finite(value: Any) -> float:
+    """A stored rise or score: a finite number >= 0, else ValueError (the range is dropped)."""
+    number = float(value)
+    if not (number >= 0 and math.isfinite(number)):
+        raise ValueError(f"not a finite number >= 0: {value!r}")
+    return number
 
 
 def _latest(carried: tuple[int, int | None]) -> tuple[int, float]:

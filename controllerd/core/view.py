@@ -27,7 +27,7 @@ Keys (DESIGN §3), ``M`` = metadata prefix, ``C`` = controller root::
     M/admin/policies/<t>/<ns>                                  Pulsar namespace policies
     C/leader  C/cooldowns/<topic>  C/policies/<t>[/<ns>[/<topic>]]
     C/cold-since/<topic>/<id>  C/pending-deletes/<topic>/<descriptor>
-    C/history/<topic>                                          flip-flops and peaks
+    C/history/<topic>                                          flip-flops, peaks, rises
     C/members/<replica>  C/shards/<nnnn>                       (sharded mode)
 """
 

@@ -502,8 +502,9 @@ class Controller:
             del self._missed[oldest]
 
     def _observe_load(self, change: Change) -> tuple[PolicySettings, Peek] | None:
-        """The policy and record of a new load change, after feeding the window's
-        peak (history ``decide`` needs) when the policy keeps one. None: nothing to decide."""
+        """The policy and record of a new load change, after feeding the window's peak or
+        the range's rise (history ``decide`` needs) when the policy keeps one. None:
+        nothing to decide."""
         assert change.topic is not None and change.segment is not None
         state = self.view.topics.get(change.topic)
         return None if state is None else self._observe(state, change.segment)
@@ -518,7 +519,7 @@ class Controller:
         policy = self.resolved_policy(state)
         if not isinstance(policy, PolicySettings):
             return None
-        if policy.peak_window_seconds > 0:
+        if policy.peak_window_seconds > 0 or policy.merge_headroom_half_life_seconds > 0:
             history = state.history if state.history is not None else TopicHistory()
             history.observe(segment, Rates(*record[0]), self._clock.now_ms(), policy)
             state.history = history

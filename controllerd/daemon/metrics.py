@@ -62,6 +62,7 @@ DECISION_REASONS: Final[Mapping[str, tuple[str, ...]]] = {
         "policy-invalid",
         "split-cooldown",
         "merge-cooldown",
+        "merge-headroom",
         "max-segments",
         "min-split-width",
         "hot-key",

@@ -34,7 +34,8 @@ before it measured, and ``decide`` would answer what it answered. So the
 replay visits only the steps where something can happen: a change of the load
 (:meth:`LoadSource.change_times`), the step after an operation, a heartbeat
 that could let a record go stale, a cooldown, window, staleness or backoff
-running out (:func:`controllerd.core.policy.next_decision_ms`), a peak leaving
+running out, a recent rise decaying enough to let a pair merge
+(:func:`controllerd.core.policy.next_decision_ms`), a peak leaving
 its window, a GC due; and within a visited step it calls ``decide`` only when
 its inputs changed or one of those times passed. Heartbeats that cannot matter
 (the record cannot go stale between two of them) are counted, not replayed.
@@ -844,7 +845,9 @@ def simulate(
     hb_ms = report.report_max_interval_seconds * 1000.0
     gate = Gate(rule)
     use_history = policy.enabled and (
-        policy.peak_window_seconds > 0 or policy.merge_backoff_factor > 1.0
+        policy.peak_window_seconds > 0
+        or policy.merge_backoff_factor > 1.0
+        or policy.merge_headroom_half_life_seconds > 0
     )
 
     layout = initial_layout(strategy.initial_segments, now_ms=source.start_ms)
@@ -897,7 +900,9 @@ def simulate(
         if not step_by_step
         and isinstance(source, SeriesLoad)
         and (lazy_heartbeats or (heartbeat_ms == 0 and ttl_ms <= 0))
+        # it writes records without TopicHistory.observe: peaks and rises need every one
         and not (enabled and policy.peak_window_seconds > 0)
+        and not (enabled and policy.merge_headroom_half_life_seconds > 0)
         else None
     )
 
