@@ -246,6 +246,7 @@ def test_a_plain_pulsar_record_is_packed_not_kept_as_an_object() -> None:
         "peak_rates",
         "flipflops",
         "last_flipflop_ms",
+        "rise",
     }
     table = LoadTable()
     for sid in range(16):
@@ -253,6 +254,8 @@ def test_a_plain_pulsar_record_is_packed_not_kept_as_an_object() -> None:
     assert table._extra is None
     table.put(3, LoadSample(Rates(1.0, 2.0, 3.0, 4.0), 5, None, flipflops=1), 99)
     assert table._extra is not None and list(table._extra) == [3]
+    table.put(5, LoadSample(Rates(1.0, 2.0, 3.0, 4.0), 5, None, rise=0.5), 100)
+    assert table[5].rise == 0.5 and list(table._extra) == [3, 5]
 
 
 _RECORD_KEYS = (
@@ -266,6 +269,7 @@ _RECORD_KEYS = (
     "changedAtMs",
     "coldSinceMs",
     "flipflops",
+    "rise",
     "hashBuckets",
     "brokerName",
 )
@@ -399,6 +403,7 @@ def test_with_cold_since_is_replace_on_every_field() -> None:
         peak_rates=Rates(8.0, 9.0, 10.0, 11.0),
         flipflops=12,
         last_flipflop_ms=13,
+        rise=14.0,
     )
     defaults = LoadSample(Rates(1.0, 2.0, 3.0, 4.0), changed_at_ms=5)
     for fields_set, sample in (("all", full), ("defaults", defaults)):

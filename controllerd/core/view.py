@@ -426,6 +426,7 @@ def _needs_extra(sample: LoadSample) -> bool:
         or sample.peak_rates is not None
         or sample.flipflops != 0
         or sample.last_flipflop_ms is not None
+        or sample.rise != 0
     )
 
 
