@@ -880,7 +880,7 @@ def _merge_pass(
                 continue
         elif not _combined_ok(ra, rb, policy):
             continue
-        if _headroom_short(sa, sb, policy) >= 0:
+        if (sa.rise or sb.rise) and _headroom_short(sa, sb, policy) >= 0:
             short = short or (a.segment_id, b.segment_id, sa.rise + sb.rise)
             continue
         key = (
