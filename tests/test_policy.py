@@ -818,15 +818,23 @@ def test_a_rise_is_handed_down_and_survives_a_new_leader() -> None:
     joined = merge(halves, 1, 2, now_ms=hour_on)
     history.applied(halves, Merge(1, 2, "cold"), joined, hour_on, HEADROOM, {})
     assert history.annotate(3, cold(), hour_on, HEADROOM).rise == pytest.approx(0.4)
-    # The next record rises from the merged range's last score (0.8), not from 0.
+    # A new range's first record is not a rise: no score is guessed from its parents
+    # (by width, a skewed split's hot child would seem to jump). Its second can be.
     history.observe(3, rates(9_000), hour_on + 1, HEADROOM)
     assert history.annotate(3, cold(), hour_on + 1, HEADROOM).rise == pytest.approx(0.4)
+    history.observe(3, rates(500), hour_on + 2, HEADROOM)
+    history.observe(3, rates(9_500), hour_on + 3, HEADROOM)  # a rise of 0.9
+    assert history.annotate(3, cold(), hour_on + 3, HEADROOM).rise == pytest.approx(0.9)
+    hour_on += 3
     restored = TopicHistory.from_json(json.loads(json.dumps(history.to_json())))
     later = hour_on + 7_200_000
     assert restored.annotate(3, cold(), later, HEADROOM) == history.annotate(
         3, cold(), later, HEADROOM
     )
-    assert restored.annotate(3, cold(), later, HEADROOM).rise == pytest.approx(0.1)
+    assert restored.annotate(3, cold(), later, HEADROOM).rise == pytest.approx(0.225)
+    # Nor does a new leader guess the last score: its first record is no rise either.
+    restored.observe(3, rates(9_900), later, HEADROOM)
+    assert restored.annotate(3, cold(), later, HEADROOM).rise == pytest.approx(0.225)
     # `controllerd decide` reads and writes it in LOAD.json as "rise".
     annotated = history.annotate(3, cold(), later, HEADROOM)
     assert load_sample_to_json(annotated)["rise"] == annotated.rise
@@ -834,8 +842,14 @@ def test_a_rise_is_handed_down_and_survives_a_new_leader() -> None:
     with pytest.raises(ModelError, match="rise"):
         load_sample_from_json({**load_sample_to_json(annotated), "rise": -1})
     # A malformed rise drops the range (history is advice), not the daemon.
-    for bad in ("-1", "NaN", "x"):
+    for bad in ("-1", "NaN", "x", True, -1, math.inf):
         assert TopicHistory.from_json({"5": {"rise": bad}}).to_json() == {}
+    # A time that does not fit a long would fail the history's next write (orjson).
+    for stamp in (1e300, 2**63, "5", True, 1.5):
+        assert TopicHistory.from_json({"5": {"rise": 1, "riseMs": stamp}}).to_json() == {}
+        assert (
+            TopicHistory.from_json({"5": {"flipflops": 1, "lastFlipflopMs": stamp}}).to_json() == {}
+        )
     # Without the setting nothing is kept.
     quiet = TopicHistory()
     quiet.observe(0, rates(0), NOW, OURS)

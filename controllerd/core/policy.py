@@ -1195,7 +1195,10 @@ class _Range:
     (a monotonic queue: its head is the window's maximum; none without a peak window:
     four empty deques are 2.5 KiB a range), its flip-flops, and its largest recent
     rise (``rise`` at ``rise_ms``, decaying from then) with the split score of its
-    last record (``score``, what the next record rises from)."""
+    last record (``score``, what the next record rises from). ``score`` is only ever
+    this range's own record's, kept in memory: a new range (split or merge child) or a
+    new leader starts without one, since a score guessed from a parent, or stored at the
+    last operation, would show the next record rising by a jump that never happened."""
 
     peaks: tuple[deque[tuple[int, float]], ...] = ()
     flipflops: int = 0
@@ -1321,7 +1324,6 @@ class TopicHistory:
                 "lastFlipflopMs": state.last_flipflop_ms,
                 "rise": state.rise,
                 "riseMs": state.rise_ms,
-                "score": state.score,
             }
             for sid, state in sorted(self._ranges.items())
         }
@@ -1336,16 +1338,15 @@ class TopicHistory:
             try:
                 sid = int(key)
                 peaks = tuple(
-                    deque((int(t), float(v)) for t, v in queue) for queue in raw.get("peaks", [])
+                    deque((_stamp(t), float(v)) for t, v in queue)
+                    for queue in raw.get("peaks", [])
                 )
                 last = raw.get("lastFlipflopMs")
-                score = raw.get("score")
                 state = _Range(
                     flipflops=max(0, int(raw.get("flipflops", 0))),
-                    last_flipflop_ms=int(last) if last is not None else None,
+                    last_flipflop_ms=_stamp(last) if last is not None else None,
                     rise=_finite(raw.get("rise", 0.0)),
-                    rise_ms=int(raw.get("riseMs", 0)),
-                    score=_finite(score) if score is not None else None,
+                    rise_ms=_stamp(raw.get("riseMs", 0)),
                 )
             except (TypeError, ValueError, AttributeError):
                 continue
@@ -1411,8 +1412,7 @@ class TopicHistory:
                 if state is not None:
                     new.peaks = tuple(deque((t, v * share) for t, v in q) for q in state.peaks)
                     new.rise, new.rise_ms = state.rise * share, state.rise_ms
-                    new.score = None if state.score is None else state.score * share
-                if count or any(new.peaks) or new.rise or new.score is not None:
+                if count or any(new.peaks) or new.rise:
                     self._ranges[child] = new
         else:
             new = _Range(flipflops=count, last_flipflop_ms=last_ff)
@@ -1429,9 +1429,7 @@ class TopicHistory:
                 _decayed(p.rise, p.rise_ms, policy, now_ms) for p in states if p is not None
             )
             new.rise_ms = now_ms
-            scores = [p.score for p in states if p is not None and p.score is not None]
-            new.score = sum(scores) if scores else None
-            if count or any(new.peaks) or new.rise or new.score is not None:
+            if count or any(new.peaks) or new.rise:
                 self._ranges[children[0]] = new
         for pid in parents:
             self._ranges.pop(pid, None)
@@ -1439,11 +1437,26 @@ class TopicHistory:
 
 
 def _finite(value: Any) -> float:
-    """A stored rise or score: a finite number >= 0, else ValueError (the range is dropped)."""
+    """A stored rise: a finite number >= 0, else ValueError (the range is dropped)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"not a number: {value!r}")
     number = float(value)
     if not (number >= 0 and math.isfinite(number)):
         raise ValueError(f"not a finite number >= 0: {value!r}")
     return number
+
+
+def _stamp(value: Any) -> int:
+    """A stored time (ms): an integer that fits a signed 64-bit long, else ValueError (the
+    range is dropped). A larger one would fail the next write of the history (orjson)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"not a time: {value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"not a whole number of ms: {value!r}")
+    stamp = int(value)
+    if not -(2**63) <= stamp < 2**63:
+        raise ValueError(f"out of range: {value!r}")
+    return stamp
 
 
 def _latest(carried: tuple[int, int | None]) -> tuple[int, float]:
