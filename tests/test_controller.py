@@ -628,6 +628,40 @@ async def test_a_recent_rise_holds_a_merge_back_until_it_decays(
             await eventually(lambda: h.requests("/merge/") == 1)
 
 
+async def test_a_split_carries_the_flip_flops_its_range_answers_for_to_its_children(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Our split can show in the layout (watch) before its request returns. The history of
+    the range it sealed must survive until the evaluation carries it over: its children
+    answer for its flip-flop (the backoff), here and for the next leader."""
+    async with open_store([etcd_server.endpoint]) as store:
+        async with open_harness(etcd_server.endpoint, etcd_prefix, store=store) as h:
+            await h.add_topic(segments=1)
+            await eventually(lambda: h.view_layout() is not None)
+            now = h.clock.now_ms()
+            history = {"0": {"flipflops": 1, "lastFlipflopMs": now}}
+            await store.put(h.keys.history(TOPIC), json.dumps(history).encode())
+            await eventually(lambda: h.controller.view.topics[TOPIC].history is not None)
+            await h.put_load(0, HOT)
+            await eventually(lambda: active_count(h) == 3)
+            children = {str(s.segment_id) for s in h.layout().active_segments()}
+
+            def carried() -> bool:
+                kept = h.controller.view.topics[TOPIC].history
+                ranges = kept.to_json() if kept is not None else {}
+                return set(ranges) == children and all(
+                    (r["flipflops"], r["lastFlipflopMs"]) == (1, now) for r in ranges.values()
+                )
+
+            await eventually(carried)
+            stored = json.loads(await _eventually_stored(store, h.keys.history(TOPIC)))
+            with anyio.fail_after(10):
+                while set(stored) != children:
+                    await anyio.sleep(0.01)
+                    stored = json.loads(await _eventually_stored(store, h.keys.history(TOPIC)))
+            assert all(r["flipflops"] == 1 for r in stored.values())
+
+
 class OrderedController(Controller):
     """Records the order in which topics are evaluated."""
 

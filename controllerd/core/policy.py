@@ -1338,8 +1338,7 @@ class TopicHistory:
             try:
                 sid = int(key)
                 peaks = tuple(
-                    deque((_stamp(t), float(v)) for t, v in queue)
-                    for queue in raw.get("peaks", [])
+                    deque((_stamp(t), float(v)) for t, v in queue) for queue in raw.get("peaks", [])
                 )
                 last = raw.get("lastFlipflopMs")
                 state = _Range(

@@ -583,6 +583,11 @@ class Controller:
                     pass
             elif after.epoch > before.epoch + 1 or any(s is None for s in segments):
                 del self._applied[topic]  # someone else changed it first (or GC pruned)
+        elif topic in self._in_flight:
+            # Our own split or merge can show in the layout before its request returns;
+            # forgetting its sealed parents now would lose what the evaluation, once
+            # it returns, must carry over to their children (flip-flops, peaks, rises).
+            return
         if history is None:
             return
         history.forget(s.segment_id for s in after.active_segments())
