@@ -662,6 +662,27 @@ async def test_a_split_carries_the_flip_flops_its_range_answers_for_to_its_child
             assert all(r["flipflops"] == 1 for r in stored.values())
 
 
+async def test_a_history_time_beyond_a_long_is_dropped_not_carried(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Garbage in <root>/history/: a flip-flop stamped beyond a signed 64-bit long, carried
+    to a split's children, failed the history's next write (orjson) and the evaluation
+    with it. Such a range is dropped when read, like any malformed value."""
+    with structlog.testing.capture_logs() as logs:
+        async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+            await h.add_topic(segments=1)
+            await eventually(lambda: h.view_layout() is not None)
+            garbage = {"0": {"flipflops": 1, "lastFlipflopMs": 1e300}}
+            await h.store.put(h.keys.history(TOPIC), json.dumps(garbage).encode())
+            await eventually(lambda: h.controller.view.topics[TOPIC].history is not None)
+            await h.put_load(0, HOT)
+            await eventually(lambda: active_count(h) == 3)
+            seen = h.view_layout
+            await eventually(lambda: (lay := seen()) is not None and not lay.segments[0].active)
+            await eventually(lambda: not h.controller.status()["in_flight"])
+    assert not [e for e in logs if e["log_level"] in ("error", "critical")]
+
+
 class OrderedController(Controller):
     """Records the order in which topics are evaluated."""
 
