@@ -662,6 +662,37 @@ async def test_a_split_carries_the_flip_flops_its_range_answers_for_to_its_child
             assert all(r["flipflops"] == 1 for r in stored.values())
 
 
+async def test_a_merge_carries_the_flip_flops_of_its_parents_and_waits_for_them(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """The merge side of the same race: a pair whose ranges answer for 2 and 1 flip-flops
+    waits 4 windows (backoff factor 2), and its merge child answers for the larger count."""
+    config = "[policy]\nmerge_window_seconds = 300\nmerge_cooldown_seconds = 0\n"
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=config) as h:
+        await h.add_topic(segments=2)
+        await eventually(lambda: h.view_layout() is not None)
+        now = h.clock.now_ms()
+        history = {"0": {"flipflops": 2, "lastFlipflopMs": now}, "1": {"flipflops": 1}}
+        await h.store.put(h.keys.history(TOPIC), json.dumps(history).encode())
+        await eventually(lambda: h.controller.view.topics[TOPIC].history is not None)
+        await h.put_load(0, COLD)
+        await h.put_load(1, COLD)
+        await eventually(lambda: len(h.controller.view.topics[TOPIC].loads) == 2)
+        await h.clock.advance(1_199.0)  # past range 1's 600 s, short of range 0's 1,200 s
+        await h.put_load(1, COLD + 1)
+        await eventually(lambda: not h.controller.status()["in_flight"])
+        assert h.requests("/merge/") == 0
+        await h.clock.advance(2.0)
+        await h.put_load(0, COLD + 1)
+        await eventually(lambda: h.requests("/merge/") == 1)
+        await eventually(lambda: (lay := h.view_layout()) is not None and 2 in lay.segments)
+        await eventually(lambda: not h.controller.status()["in_flight"])
+        kept = h.controller.view.topics[TOPIC].history
+        assert kept is not None
+        assert kept.to_json()["2"]["flipflops"] == 2
+        assert kept.to_json()["2"]["lastFlipflopMs"] == now
+
+
 async def test_a_history_time_beyond_a_long_is_dropped_not_carried(
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
