@@ -975,10 +975,10 @@ def decide(
         )
     elif n > policy.min_segments:
         if _within(last_merge_ms, policy.merge_cooldown_seconds, now_ms):
-            merged = _merge_pass(layout, active, loads, policy, now_ms)
-            if blocked is None and isinstance(merged, NoAction):
+            merged = _merge_pass(layout, active, loads, policy, now_ms) if blocked is None else None
+            if isinstance(merged, NoAction):
                 blocked = merged
-            elif blocked is None and merged is not None:
+            elif merged is not None:
                 blocked = NoAction(
                     "merge-cooldown",
                     f"a cold pair could merge but the last merge was less than "
@@ -1216,6 +1216,12 @@ def _decayed(rise: float, since_ms: int, policy: PolicySettings, now_ms: int) ->
     return rise * math.pow(2.0, -max(0, now_ms - since_ms) / half_life_ms)
 
 
+def observes_records(policy: PolicySettings) -> bool:
+    """Whether :meth:`TopicHistory.observe` keeps anything under ``policy`` (a peak window,
+    the rise headroom): its caller must then feed it every record written."""
+    return policy.peak_window_seconds > 0 or policy.merge_headroom_half_life_seconds > 0
+
+
 class TopicHistory:
     """What the history-based rules need, kept by the caller for one topic (pure, no clock).
 
@@ -1246,14 +1252,13 @@ class TopicHistory:
 
     def observe(self, segment_id: int, rates: Rates, now_ms: int, policy: PolicySettings) -> None:
         """A record of ``rates`` was written for ``segment_id`` at ``now_ms``."""
-        window_ms = policy.peak_window_seconds * 1000.0
-        headroom = policy.merge_headroom_half_life_seconds > 0
-        if window_ms <= 0 and not headroom:
+        if not observes_records(policy):
             return
+        window_ms = policy.peak_window_seconds * 1000.0
         state = self._ranges.get(segment_id)
         if state is None:
             state = self._ranges[segment_id] = _Range()
-        if headroom:
+        if policy.merge_headroom_half_life_seconds > 0:
             score = split_score(rates, policy.split_thresholds)[0]
             if state.score is not None:
                 jump = score - state.score

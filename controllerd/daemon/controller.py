@@ -87,6 +87,7 @@ from controllerd.core.policy import (
     decide,
     inherited_cold_since,
     is_stale,
+    observes_records,
     resolve_policy,
 )
 from controllerd.core.pulsar import (
@@ -519,7 +520,7 @@ class Controller:
         policy = self.resolved_policy(state)
         if not isinstance(policy, PolicySettings):
             return None
-        if policy.peak_window_seconds > 0 or policy.merge_headroom_half_life_seconds > 0:
+        if observes_records(policy):
             history = state.history if state.history is not None else TopicHistory()
             history.observe(segment, Rates(*record[0]), self._clock.now_ms(), policy)
             state.history = history

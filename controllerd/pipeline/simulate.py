@@ -85,6 +85,7 @@ from controllerd.core.policy import (
     may_act_now,
     next_decision_ms,
     next_ripe_ms,
+    observes_records,
     stale_at,
 )
 from controllerd.pipeline.load import (
@@ -844,11 +845,7 @@ def simulate(
     lazy_heartbeats = heartbeat_ms > 0 and (ttl_ms <= 0 or heartbeat_ms - step_ms <= ttl_ms)
     hb_ms = report.report_max_interval_seconds * 1000.0
     gate = Gate(rule)
-    use_history = policy.enabled and (
-        policy.peak_window_seconds > 0
-        or policy.merge_backoff_factor > 1.0
-        or policy.merge_headroom_half_life_seconds > 0
-    )
+    use_history = policy.enabled and (observes_records(policy) or policy.merge_backoff_factor > 1.0)
 
     layout = initial_layout(strategy.initial_segments, now_ms=source.start_ms)
     reporters: dict[int, _Reporter] = {}
@@ -900,9 +897,8 @@ def simulate(
         if not step_by_step
         and isinstance(source, SeriesLoad)
         and (lazy_heartbeats or (heartbeat_ms == 0 and ttl_ms <= 0))
-        # it writes records without TopicHistory.observe: peaks and rises need every one
-        and not (enabled and policy.peak_window_seconds > 0)
-        and not (enabled and policy.merge_headroom_half_life_seconds > 0)
+        # it writes records without TopicHistory.observe, which must then see every one
+        and not (enabled and observes_records(policy))
         else None
     )
 
