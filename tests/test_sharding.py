@@ -125,7 +125,8 @@ async def test_shards_are_spread_fenced_and_moved_on_kill_and_join(cluster: Clus
     await wait_until(lambda: settled(cluster, 3), within=20)
     after = await ownership(cluster)
     await assert_rendezvous(cluster, after)
-    assert after[victim.name]
+    # (What the joiner owns is its rendezvous share, checked above; it may be none, about
+    # 1 run in 650, so "it owns something" is not asserted.)
     for name, shards in before.items():
         assert shards - after[name] <= after[victim.name]  # what left a survivor went to it
 
