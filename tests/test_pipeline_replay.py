@@ -36,6 +36,7 @@ policy.merge_backoff_factor = 3.0
 policy.merge_backoff_decay_seconds = 3600
 policy.merge_regret_seconds = 7200
 policy.merge_headroom_half_life_seconds = 3600
+policy.merge_undo_seconds = 7200
 policy.range_split_cooldown = true
 policy.split_to_peak = true
 policy.merge_window_seconds = 1200

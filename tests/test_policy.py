@@ -26,6 +26,7 @@ from controllerd.core.model import (
 from controllerd.core.policy import (
     PolicyInvalid,
     TopicHistory,
+    _replaced_by_merges,
     decide,
     inherited_cold_since,
     is_cold,
@@ -671,6 +672,83 @@ def test_split_to_peak_sizes_the_split_for_the_recent_peak() -> None:
     assert isinstance(d, Split) and len(d.boundaries) + 1 == 2
 
 
+def cascade(first_ms: int, second_ms: int, last_ms: int) -> Layout:
+    """Four segments merged down to one: 0+1 -> 4 at ``first_ms``, 2+3 -> 5 at
+    ``second_ms``, 4+5 -> 6 at ``last_ms``."""
+    lay = merge(layout_of(4), 0, 1, now_ms=first_ms)
+    lay = merge(lay, 2, 3, now_ms=second_ms)
+    return merge(lay, 4, 5, now_ms=last_ms)
+
+
+def test_a_merge_cascade_that_turns_hot_is_split_back_whole() -> None:
+    """1.2x the threshold needs two children; the range was four segments ten minutes
+    ago, and split by split that is three operations, each undoing a merge."""
+    lay = cascade(NOW - 900_000, NOW - 600_000, NOW - 300_000)
+    hot = {6: sample(12_000)}
+    d = decide(lay, hot, {}, OURS, NOW)
+    assert isinstance(d, Split) and d.boundaries == (0x4000, 0x8000, 0xC000)
+    assert "undoing merges of the last 1800s that made it of 4 segments" in d.detail
+    off = dataclasses.replace(OURS, merge_undo_seconds=0.0)
+    assert decide(lay, hot, {}, off, NOW) == dataclasses.replace(
+        d, boundaries=(0x8000,), detail=d.detail.split(", undoing")[0].replace("4-way", "2-way")
+    )
+    # Load that needs more children than the merges replaced gets them.
+    d = decide(lay, {6: sample(55_000)}, {}, OURS, NOW)
+    assert isinstance(d, Split) and len(d.boundaries) + 1 == 6
+    # Pulsar's settings: a binary midpoint split, as PIP-483.
+    pip = decide(lay, hot, {}, PIP483, NOW)
+    assert isinstance(pip, Split) and pip.boundaries == (0x8000,)
+
+
+def test_only_merges_within_merge_undo_seconds_are_undone() -> None:
+    # 0+1 merged 40 minutes ago: its child 4 is an old segment now, one of three.
+    # The count is restored, not the old boundaries (they were cut for other load).
+    lay = cascade(NOW - 2_400_000, NOW - 600_000, NOW - 300_000)
+    d = decide(lay, {6: sample(12_000)}, {}, OURS, NOW)
+    assert isinstance(d, Split) and d.boundaries == (21_846, 43_691)
+    assert "made it of 3 segments" in d.detail
+    # The last merge past the setting: a split for the load alone.
+    late = NOW + 1_800_000 - 300_000 + 1
+    d = decide(lay, {6: sample(12_000)}, {}, OURS, late)
+    assert isinstance(d, Split) and d.boundaries == (0x8000,) and "undoing" not in d.detail
+    # A split child is never undone (its one parent is a split's).
+    lay = split(layout_of(1), 0, (0x8000,), now_ms=NOW - 60_000)
+    d = decide(lay, {1: sample(12_000)}, {}, OURS, NOW)
+    assert isinstance(d, Split) and len(d.boundaries) == 1 and "undoing" not in d.detail
+
+
+def test_merge_undo_respects_the_fanout_and_collected_parents() -> None:
+    lay = cascade(NOW - 900_000, NOW - 600_000, NOW - 300_000)
+    binary = dataclasses.replace(OURS, max_split_fanout=2)
+    d = decide(lay, {6: sample(12_000)}, {}, binary, NOW)
+    assert isinstance(d, Split) and d.boundaries == (0x8000,)
+    three = dataclasses.replace(OURS, max_split_fanout=3)
+    d = decide(lay, {6: sample(12_000)}, {}, three, NOW)
+    assert isinstance(d, Split) and len(d.boundaries) + 1 == 3
+    # Garbage collection deleted the first merges' parents: 4 and 5 are each one segment.
+    gone = prune(lay, [0, 1, 2, 3])
+    d = decide(gone, {6: sample(12_000)}, {}, OURS, NOW)
+    assert isinstance(d, Split) and d.boundaries == (0x8000,)
+    assert "made it of 2 segments" in d.detail
+    # A parent id the layout no longer holds (a link left dangling) counts as one.
+    dangling = {k: v for k, v in lay.segments.items() if k not in (0, 1)}
+    assert _replaced_by_merges(lay.segments[6], dangling, NOW - 1_800_000, 8) == 4
+    assert _replaced_by_merges(lay.segments[6], lay.segments, NOW - 1_800_000, 3) == 3
+
+
+def test_merge_undo_with_a_histogram_balances_the_children_it_restores() -> None:
+    lay = cascade(NOW - 900_000, NOW - 600_000, NOW - 300_000)
+    skewed = (3.0,) * 16 + (1.0,) * 16  # three quarters of the load in the lower half
+    hot = {6: LoadSample(rates(12_000), LONG_AGO, hash_buckets=skewed)}
+    d = decide(lay, hot, {}, OURS, NOW)
+    assert isinstance(d, Split) and len(d.boundaries) == 3
+    assert d.boundaries[1] < 0x8000  # balanced by load, not equal-width
+    plan = plan_split(FULL, list(skewed), 1.2, 8, 256, min_children=4)
+    assert plan is not None and len(plan.loads) == 4
+    assert max(plan.loads) == pytest.approx(0.3, abs=0.05)
+    assert plan_split(FULL, list(skewed), 1.2, 3, 256, min_children=4) is not None
+
+
 # --- history the caller keeps -----------------------------------------------------------------
 
 
@@ -893,6 +971,7 @@ def test_new_override_keys_resolve() -> None:
             "mergeBackoffDecaySeconds": 60,
             "mergeRegretSeconds": 14_400,
             "mergeHeadroomHalfLifeSeconds": 7_200,
+            "mergeUndoSeconds": 600,
             "rangeSplitCooldown": True,
             "splitToPeak": True,
             "loadAwareSplits": False,
@@ -902,9 +981,11 @@ def test_new_override_keys_resolve() -> None:
     assert (resolved.peak_window_seconds, resolved.merge_backoff_factor) == (600.0, 3.0)
     assert (resolved.merge_backoff_decay_seconds, resolved.merge_regret_seconds) == (60.0, 14_400.0)
     assert resolved.merge_headroom_half_life_seconds == 7_200.0
+    assert resolved.merge_undo_seconds == 600.0
     assert resolved.range_split_cooldown and resolved.split_to_peak
     assert not resolved.load_aware_splits
     assert isinstance(resolve_policy(OURS, {"rangeSplitCooldown": 1}), PolicyInvalid)
     assert isinstance(resolve_policy(OURS, {"mergeBackoffFactor": 0.5}), PolicyInvalid)
     assert isinstance(resolve_policy(OURS, {"mergeRegretSeconds": -1}), PolicyInvalid)
     assert isinstance(resolve_policy(OURS, {"mergeHeadroomHalfLifeSeconds": -1}), PolicyInvalid)
+    assert isinstance(resolve_policy(OURS, {"mergeUndoSeconds": -1}), PolicyInvalid)

@@ -787,6 +787,7 @@ def extended_policies(draw: st.DrawFn, merge_friendly: bool = False) -> PolicySe
         merge_backoff_decay_seconds=draw(st.sampled_from([60.0, 3_600.0, 86_400.0])),
         merge_regret_seconds=draw(st.sampled_from([0.0, 600.0, 43_200.0])),
         merge_headroom_half_life_seconds=draw(st.sampled_from([0.0, 600.0, 86_400.0])),
+        merge_undo_seconds=draw(st.sampled_from([0.0, 600.0, 86_400.0])),
         range_split_cooldown=draw(st.booleans()),
         split_to_peak=draw(st.booleans()),
         load_aware_splits=draw(st.booleans()),

@@ -371,6 +371,13 @@ class PolicySettings:
     #: range that jumped lately keeps room to jump again (headroom from recent
     #: volatility). About 170 bytes a range in ``TopicHistory``, not a queue of records.
     merge_headroom_half_life_seconds: float = 0.0
+    #: ours: a range made by merges within this many seconds that turns hot splits
+    #: back at once into as many children as the segments those merges replaced (at
+    #: most ``max_split_fanout``), not one threshold's worth at a time: the load that
+    #: left has come back, and a cascade of merges undone split by split costs an
+    #: operation (and a flip-flop) per level. 0 = off (Pulsar). 1800: the backtest's
+    #: flip-flop window; it changes nothing on the traces the defaults were tuned on.
+    merge_undo_seconds: float = 1800.0
     #: ours: true = the split cooldown holds back only the children of a recent
     #: split (whose first records are the noisiest); any other range over its
     #: threshold splits at once. false = one split per topic per cooldown (Pulsar).
@@ -414,6 +421,7 @@ class PolicySettings:
             "peak_window_seconds",
             "merge_regret_seconds",
             "merge_headroom_half_life_seconds",
+            "merge_undo_seconds",
         ):
             value = getattr(self, name)
             if not 0 <= value <= MAX_POLICY_SECONDS:  # also NaN
@@ -452,6 +460,7 @@ PULSAR_PARITY: Final[Mapping[str, Any]] = {
     "merge_backoff_factor": 1.0,
     "merge_regret_seconds": 0.0,
     "merge_headroom_half_life_seconds": 0.0,
+    "merge_undo_seconds": 0.0,
     "range_split_cooldown": False,
     "split_to_peak": False,
 }

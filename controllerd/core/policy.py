@@ -19,7 +19,8 @@ and no ``cold_since_ms`` in samples):
   records (``merge_headroom_half_life_seconds``, headroom from recent volatility);
 * a split cooldown that holds back only a recent split's children
   (``range_split_cooldown``), and a fanout sized for the range's recent peak
-  (``split_to_peak``);
+  (``split_to_peak``) or, for a range made by recent merges, for the segments
+  they replaced (``merge_undo_seconds``);
 * split boundaries from the reporter's ``hashBuckets``: children of equal load,
   a hot key isolated in the narrowest allowed child, and no split that would
   not relieve it (``hot-key``).
@@ -86,6 +87,7 @@ _OVERRIDE_FIELDS: Final = {
     "mergeBackoffDecaySeconds": "merge_backoff_decay_seconds",
     "mergeRegretSeconds": "merge_regret_seconds",
     "mergeHeadroomHalfLifeSeconds": "merge_headroom_half_life_seconds",
+    "mergeUndoSeconds": "merge_undo_seconds",
     "rangeSplitCooldown": "range_split_cooldown",
     "splitToPeak": "split_to_peak",
     "loadAwareSplits": "load_aware_splits",
@@ -578,11 +580,12 @@ def plan_split(
     score: float,
     max_children: int,
     min_width: int,
+    min_children: int = 2,
 ) -> SplitPlan | None:
     """Boundaries for a traffic split of a range whose load histogram is ``buckets``.
 
-    The fewest children (2..``max_children``) that bring every child under the
-    threshold, with boundaries that balance their loads; a slice that alone is
+    The fewest children (``min_children``..``max_children``) that bring every child
+    under the threshold, with boundaries that balance their loads; a slice that alone is
     over the threshold (a hot key) gets a child of its own, as narrow as
     ``min_width`` allows. Boundaries fall on slice edges: the histogram says
     nothing finer. None when the histogram is empty (all zero): split equal-width.
@@ -602,6 +605,7 @@ def plan_split(
     if cuts is None:
         fewest = _greedy(widths, loads, 1.0, min_width)
         want = max_children if fewest is None else max(2, min(max_children, len(fewest) + 1))
+        want = max(want, min(min_children, max_children))
         cuts = _balanced(widths, loads, want, min_width)
     if not cuts:
         return None
@@ -620,18 +624,48 @@ def plan_split(
     return SplitPlan(tuple(starts[c] for c in cuts), child_loads, child_widths, refused)
 
 
+def _replaced_by_merges(
+    seg: Segment, segments: Mapping[int, Segment], since_ms: float, at_most: int
+) -> int:
+    """How many segments the merges made at or after ``since_ms`` folded into ``seg``
+    (1 if it is not such a merge's child), counted up to ``at_most``.
+
+    A merge child's parents are expanded while they too are recent merge children;
+    a parent no longer in the layout (collected) counts as one segment.
+    """
+    count, stack = 0, [seg]
+    while stack:
+        here = stack.pop()
+        if len(here.parent_ids) < 2 or here.created_at_ms < since_ms:
+            count += 1
+            if count >= at_most:
+                return at_most
+            continue
+        for pid in here.parent_ids:
+            parent = segments.get(pid)
+            if parent is None:
+                count += 1
+            else:
+                stack.append(parent)
+    return min(count, at_most)
+
+
 def _children_for(
-    seg: Segment, sample: LoadSample, score: float, cap: int, policy: PolicySettings
+    seg: Segment, sample: LoadSample, score: float, cap: int, policy: PolicySettings, undo: int
 ) -> SplitPlan:
-    """The split of a hot range: load-aware when its record has a histogram, else equal-width."""
+    """The split of a hot range: load-aware when its record has a histogram, else
+    equal-width; at least ``undo`` children (what recent merges folded into it)."""
     k_score = score
     if policy.split_to_peak and policy.peak_window_seconds > 0 and sample.peak_rates is not None:
         k_score = max(score, split_score(sample.peak_rates, policy.split_thresholds)[0])
+    least = min(cap, undo)
     if policy.load_aware_splits and sample.hash_buckets is not None:
-        plan = plan_split(seg.hash_range, sample.hash_buckets, k_score, cap, policy.min_split_width)
+        plan = plan_split(
+            seg.hash_range, sample.hash_buckets, k_score, cap, policy.min_split_width, least
+        )
         if plan is not None:
             return plan
-    k = min(cap, max(2, math.ceil(k_score)))
+    k = min(cap, max(2, math.ceil(k_score), least))
     return SplitPlan(equal_boundaries(seg.hash_range, k), (), ())
 
 
@@ -642,11 +676,14 @@ def _split_pass(
     policy: PolicySettings,
     now_ms: int,
     last_split_ms: int | None = None,
+    segments: Mapping[int, Segment] | None = None,
 ) -> Split | NoAction | None:
     """A Split, a NoAction naming why a needed split is blocked, or None (nothing hot).
 
     With ``range_split_cooldown``, children of a recent split are held back; that is
     worked out only once something needs a split (the common case needs none).
+    ``segments`` (the layout's, sealed ones included) lets ``merge_undo_seconds`` see
+    what a hot merge child replaced; without them it is off.
     """
     n = len(active)
     if max_consumers > n:
@@ -707,9 +744,14 @@ def _split_pass(
             candidates.append((-score, seg.segment_id, seg, rate))
     candidates.sort(key=lambda c: (c[0], c[1]))
     refused: list[tuple[int, SplitPlan]] = []
+    undo_ms = policy.merge_undo_seconds * 1000.0
     for neg_score, sid, seg, rate in candidates:
         sample = loads[sid]
-        plan = _children_for(seg, sample, -neg_score, _fanout_cap(seg, policy, n), policy)
+        cap = _fanout_cap(seg, policy, n)
+        undo = 1
+        if undo_ms > 0 and segments is not None and len(seg.parent_ids) > 1:
+            undo = _replaced_by_merges(seg, segments, now_ms - undo_ms, cap)
+        plan = _children_for(seg, sample, -neg_score, cap, policy, undo)
         if plan.refused:
             refused.append((sid, plan))
             continue
@@ -722,6 +764,11 @@ def _split_pass(
             if plan.loads
             else f"{k}-way split"
         )
+        if undo > 1:
+            how += (
+                f", undoing merges of the last {policy.merge_undo_seconds:g}s "
+                f"that made it of {undo} segments"
+            )
         return Split(
             sid,
             plan.boundaries,
@@ -960,7 +1007,9 @@ def decide(
                 ),
             )
     else:
-        result = _split_pass(active, loads, max_consumers, policy, now_ms, last_split_ms)
+        result = _split_pass(
+            active, loads, max_consumers, policy, now_ms, last_split_ms, layout.segments
+        )
         if isinstance(result, Split):
             return result
         blocked = result
