@@ -442,7 +442,9 @@ async def storms(args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: 
                     if s.injected
                 ]
                 sent += len(posts)
-                if kind != "hang":  # each attempt of a hung request waits out the timeout
+                if kind in ("500", "503"):  # two attempts each (the client's one retry)
+                    beyond += _beyond_schedule(operations(posts, per_op=2), schedule)
+                elif kind != "hang":  # each attempt of a hung request waits out the timeout
                     beyond += _beyond_schedule(operations(posts), schedule)
 
                 async def split(topic: TopicName = topic) -> bool:

@@ -189,7 +189,12 @@ async def test_a_burst_of_triggers_during_an_evaluation_reruns_exactly_once(
         for sid in range(4):
             for rate in (1.0, 2.0, 3.0):
                 await h.put_load(sid, rate)
-        await eventually(lambda: len(h.controller.view.topics[TOPIC].loads) == 4)
+        await eventually(
+            lambda: (
+                TOPIC in h.controller.view.topics
+                and len(h.controller.view.topics[TOPIC].loads) == 4
+            )
+        )
         assert controller.calls == 1
         GatedController.gate.set()
         await eventually(lambda: not h.controller.status()["in_flight"])
@@ -640,7 +645,12 @@ async def test_a_merge_cascade_that_turns_hot_is_split_back_whole(
         await h.add_topic(segments=4)
         for sid in range(4):
             await h.put_load(sid, COLD)
-        await eventually(lambda: len(h.controller.view.topics[TOPIC].loads) == 4)
+        await eventually(
+            lambda: (
+                TOPIC in h.controller.view.topics
+                and len(h.controller.view.topics[TOPIC].loads) == 4
+            )
+        )
         await h.clock.advance(301.0)
         await h.put_load(0, COLD + 1)
         await eventually(lambda: h.requests("/merge/") == 2)

@@ -208,8 +208,16 @@ def topic_path(topic: TopicName) -> str:
 SAME_OPERATION = 0.3
 
 
-def operations(arrivals: Sequence[float]) -> list[list[float]]:
-    """Request arrival times grouped into operations (one decision's attempts)."""
+def operations(arrivals: Sequence[float], per_op: int | None = None) -> list[list[float]]:
+    """Request arrival times grouped into operations (one decision's attempts).
+
+    ``per_op``: every operation made exactly this many attempts (a storm of 5xx, each
+    retried ``max_retries`` times): consecutive runs of that many, whatever the gaps.
+    Gaps alone misgroup on a loaded machine, where the client's own retry (a backoff
+    of at most 0.1 s plus a layout read) arrived 0.315 s after its first attempt.
+    """
+    if per_op is not None:
+        return [list(arrivals[i : i + per_op]) for i in range(0, len(arrivals), per_op)]
     ops: list[list[float]] = []
     for at in arrivals:
         if ops and at - ops[-1][-1] < SAME_OPERATION:
