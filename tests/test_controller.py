@@ -633,6 +633,31 @@ async def test_a_recent_rise_holds_a_merge_back_until_it_decays(
             await eventually(lambda: h.requests("/merge/") == 1)
 
 
+async def merge_down(h: Harness, first: int) -> int:
+    """Cold records for the four active segments ``first``..``first + 3`` (ids in
+    layout order), 301 s, and the pairs merge, then their children: the id of the one
+    segment left (merge children take the next ids, ``first + 4`` to ``first + 6``)."""
+    before = h.requests("/merge/")
+    for sid in range(first, first + 4):
+        await h.put_load(sid, COLD)
+    await eventually(
+        lambda: (
+            TOPIC in h.controller.view.topics
+            and all(s in h.controller.view.topics[TOPIC].loads for s in range(first, first + 4))
+        )
+    )
+    await h.clock.advance(301.0)
+    await h.put_load(first, COLD + 1)
+    await eventually(lambda: h.requests("/merge/") == before + 2)
+    await eventually(lambda: (lay := h.view_layout()) is not None and first + 5 in lay.segments)
+    await h.put_load(first + 4, COLD)
+    await h.put_load(first + 5, COLD)
+    await eventually(lambda: h.requests("/merge/") == before + 3)
+    await eventually(lambda: (lay := h.view_layout()) is not None and first + 6 in lay.segments)
+    await eventually(lambda: not h.controller.status()["in_flight"])
+    return first + 6
+
+
 async def test_a_merge_cascade_that_turns_hot_is_split_back_whole(
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
@@ -643,44 +668,18 @@ async def test_a_merge_cascade_that_turns_hot_is_split_back_whole(
     config = "[policy]\nmerge_window_seconds = 300\nmerge_cooldown_seconds = 0\n"
     async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=config) as h:
         await h.add_topic(segments=4)
-        for sid in range(4):
-            await h.put_load(sid, COLD)
-        await eventually(
-            lambda: (
-                TOPIC in h.controller.view.topics
-                and len(h.controller.view.topics[TOPIC].loads) == 4
-            )
-        )
-        await h.clock.advance(301.0)
-        await h.put_load(0, COLD + 1)
-        await eventually(lambda: h.requests("/merge/") == 2)
-        await eventually(lambda: (lay := h.view_layout()) is not None and 5 in lay.segments)
-        await h.put_load(4, COLD)
-        await h.put_load(5, COLD)
-        await eventually(lambda: h.requests("/merge/") == 3)
-        await eventually(lambda: (lay := h.view_layout()) is not None and 6 in lay.segments)
-        await eventually(lambda: not h.controller.status()["in_flight"])
+        merged = await merge_down(h, 0)
         await h.clock.advance(600.0)
-        await h.put_load(6, 12_000.0)
+        await h.put_load(merged, 12_000.0)
         await eventually(lambda: h.requests("/split/") == 1)
         await eventually(lambda: active_count(h) == 4)
         quarters = [s.hash_range.start for s in h.layout().active_segments()]
         assert sorted(quarters) == [0, 0x4000, 0x8000, 0xC000]
         # The children merge back; 1,801 s after that merge the load alone decides.
         await eventually(lambda: (lay := h.view_layout()) is not None and 10 in lay.segments)
-        for sid in (7, 8, 9, 10):
-            await h.put_load(sid, COLD)
-        await h.clock.advance(301.0)
-        await h.put_load(7, COLD + 1)
-        await eventually(lambda: h.requests("/merge/") == 5)
-        await eventually(lambda: (lay := h.view_layout()) is not None and 12 in lay.segments)
-        await h.put_load(11, COLD)
-        await h.put_load(12, COLD)
-        await eventually(lambda: h.requests("/merge/") == 6)
-        await eventually(lambda: (lay := h.view_layout()) is not None and 13 in lay.segments)
-        await eventually(lambda: not h.controller.status()["in_flight"])
+        merged = await merge_down(h, 7)
         await h.clock.advance(1_801.0)
-        await h.put_load(13, 12_000.0)
+        await h.put_load(merged, 12_000.0)
         await eventually(lambda: h.requests("/split/") == 2)
         await eventually(lambda: active_count(h) == 2)
 
