@@ -587,7 +587,8 @@ def plan_split(
     The fewest children (``min_children``..``max_children``) that bring every child
     under the threshold, with boundaries that balance their loads; a slice that alone is
     over the threshold (a hot key) gets a child of its own, as narrow as
-    ``min_width`` allows. Boundaries fall on slice edges: the histogram says
+    ``min_width`` allows (that cut ignores ``min_children``: relieving the key comes
+    first). Boundaries fall on slice edges: the histogram says
     nothing finer. None when the histogram is empty (all zero): split equal-width.
     The plan is ``refused`` when its hottest child would still be over the
     threshold, too narrow to split again, and the split would take less than
