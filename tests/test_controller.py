@@ -588,9 +588,13 @@ async def test_a_flip_flop_is_remembered_in_etcd_for_the_next_leader(
             await eventually(lambda: 2 in (h1.view_layout() or h1.layout()).segments)
             await h1.put_load(2, HOT)  # the merge child is hot at once: a flip-flop
             await eventually(lambda: h1.requests("/split/") == 1)
-            stored = await _eventually_stored(store, h1.keys.history(TOPIC))
-            ranges = json.loads(stored)
-            assert ranges and all(r["flipflops"] == 1 for r in ranges.values())
+            # (the merge stored its child's merged count first: wait for the split's write)
+            with anyio.fail_after(10):
+                while True:
+                    ranges = json.loads(await _eventually_stored(store, h1.keys.history(TOPIC)))
+                    if ranges and all(r["flipflops"] == 1 for r in ranges.values()):
+                        break
+                    await anyio.sleep(0.01)
         async with open_harness(
             etcd_server.endpoint, etcd_prefix, store=store, replica="test-2", extra_config=window
         ) as h2:
@@ -655,6 +659,14 @@ async def merge_down(h: Harness, first: int) -> int:
     await eventually(lambda: h.requests("/merge/") == before + 3)
     await eventually(lambda: (lay := h.view_layout()) is not None and first + 6 in lay.segments)
     await eventually(lambda: not h.controller.status()["in_flight"])
+    # The count is history, kept in etcd for a new leader (not read from the layout,
+    # whose sealed parents Pulsar's GC prunes within a minute).
+    with anyio.fail_after(10):
+        while True:
+            stored = json.loads(await _eventually_stored(h.store, h.keys.history(TOPIC)))
+            if stored.get(str(first + 6), {}).get("merged") == 4:
+                break
+            await anyio.sleep(0.01)
     return first + 6
 
 

@@ -26,7 +26,6 @@ from controllerd.core.model import (
 from controllerd.core.policy import (
     PolicyInvalid,
     TopicHistory,
-    _replaced_by_merges,
     decide,
     inherited_cold_since,
     is_cold,
@@ -672,81 +671,130 @@ def test_split_to_peak_sizes_the_split_for_the_recent_peak() -> None:
     assert isinstance(d, Split) and len(d.boundaries) + 1 == 2
 
 
-def cascade(first_ms: int, second_ms: int, last_ms: int) -> Layout:
-    """Four segments merged down to one: 0+1 -> 4 at ``first_ms``, 2+3 -> 5 at
-    ``second_ms``, 4+5 -> 6 at ``last_ms``."""
-    lay = merge(layout_of(4), 0, 1, now_ms=first_ms)
-    lay = merge(lay, 2, 3, now_ms=second_ms)
-    return merge(lay, 4, 5, now_ms=last_ms)
+def cascade(
+    first_ms: int, second_ms: int, last_ms: int, policy: PolicySettings = OURS
+) -> tuple[Layout, TopicHistory]:
+    """Four segments merged down to one, as the caller records it: 0+1 -> 4 at
+    ``first_ms``, 2+3 -> 5 at ``second_ms``, 4+5 -> 6 at ``last_ms``."""
+    lay, history = layout_of(4), TopicHistory()
+    for a, b, t in ((0, 1, first_ms), (2, 3, second_ms), (4, 5, last_ms)):
+        after = merge(lay, a, b, now_ms=t)
+        history.applied(lay, Merge(a, b, "cold", ""), after, t, policy, {})
+        history.forget(s.segment_id for s in after.active_segments())
+        lay = after
+    return lay, history
+
+
+def hot_at(
+    history: TopicHistory, msg_in: float, now: int, policy: PolicySettings = OURS
+) -> dict[int, LoadSample]:
+    return {6: history.annotate(6, sample(msg_in), now, policy)}
 
 
 def test_a_merge_cascade_that_turns_hot_is_split_back_whole() -> None:
     """1.2x the threshold needs two children; the range was four segments ten minutes
     ago, and split by split that is three operations, each undoing a merge."""
-    lay = cascade(NOW - 900_000, NOW - 600_000, NOW - 300_000)
-    hot = {6: sample(12_000)}
+    lay, history = cascade(NOW - 900_000, NOW - 600_000, NOW - 300_000)
+    hot = hot_at(history, 12_000, NOW)
+    assert hot[6].merged == 4
     d = decide(lay, hot, {}, OURS, NOW)
     assert isinstance(d, Split) and d.boundaries == (0x4000, 0x8000, 0xC000)
     assert "undoing merges of the last 1800s that made it of 4 segments" in d.detail
     off = dataclasses.replace(OURS, merge_undo_seconds=0.0)
-    assert decide(lay, hot, {}, off, NOW) == dataclasses.replace(
-        d, boundaries=(0x8000,), detail=d.detail.split(", undoing")[0].replace("4-way", "2-way")
-    )
-    # Load that needs more children than the merges replaced gets them.
-    d = decide(lay, {6: sample(55_000)}, {}, OURS, NOW)
-    assert isinstance(d, Split) and len(d.boundaries) + 1 == 6
-    # Pulsar's settings: a binary midpoint split, as PIP-483.
+    assert hot_at(history, 12_000, NOW, off)[6].merged == 0
+    for plain in (
+        decide(lay, hot, {}, off, NOW),
+        decide(lay, hot_at(history, 12_000, NOW, off), {}, OURS, NOW),
+    ):
+        assert isinstance(plain, Split) and plain.boundaries == (0x8000,)
+        assert "undoing" not in plain.detail
+    # Load that needs more children than the merges replaced gets them, and the undo
+    # is not named: the load alone sized the split.
+    d = decide(lay, hot_at(history, 55_000, NOW), {}, OURS, NOW)
+    assert isinstance(d, Split) and len(d.boundaries) + 1 == 6 and "undoing" not in d.detail
+    # Pulsar's settings: a binary midpoint split, as PIP-483, whatever the history says.
     pip = decide(lay, hot, {}, PIP483, NOW)
     assert isinstance(pip, Split) and pip.boundaries == (0x8000,)
+    assert decide(lay, hot, {}, dataclasses.replace(PIP483, max_split_fanout=8), NOW) == (
+        decide(lay, {6: sample(12_000)}, {}, dataclasses.replace(PIP483, max_split_fanout=8), NOW)
+    )
 
 
 def test_only_merges_within_merge_undo_seconds_are_undone() -> None:
-    # 0+1 merged 40 minutes ago: its child 4 is an old segment now, one of three.
-    # The count is restored, not the old boundaries (they were cut for other load).
-    lay = cascade(NOW - 2_400_000, NOW - 600_000, NOW - 300_000)
-    d = decide(lay, {6: sample(12_000)}, {}, OURS, NOW)
-    assert isinstance(d, Split) and d.boundaries == (21_846, 43_691)
-    assert "made it of 3 segments" in d.detail
-    # The last merge past the setting: a split for the load alone.
-    late = NOW + 1_800_000 - 300_000 + 1
-    d = decide(lay, {6: sample(12_000)}, {}, OURS, late)
+    # 0+1 merged 35 minutes before the last merge: its child 4 was one segment then.
+    lay, history = cascade(NOW - 2_400_000, NOW - 600_000, NOW - 300_000)
+    d = decide(lay, hot_at(history, 12_000, NOW), {}, OURS, NOW)
+    assert isinstance(d, Split) and d.boundaries == (21_846, 43_691)  # the count, not
+    assert "made it of 3 segments" in d.detail  # the old boundaries (cut for other load)
+    # Up to merge_undo_seconds after the last merge inclusive, then a split for the load.
+    edge = NOW - 300_000 + 1_800_000
+    assert hot_at(history, 12_000, edge)[6].merged == 3
+    late = hot_at(history, 12_000, edge + 1)
+    assert late[6].merged == 0
+    d = decide(lay, late, {}, OURS, edge + 1)
     assert isinstance(d, Split) and d.boundaries == (0x8000,) and "undoing" not in d.detail
-    # A split child is never undone (its one parent is a split's).
-    lay = split(layout_of(1), 0, (0x8000,), now_ms=NOW - 60_000)
-    d = decide(lay, {1: sample(12_000)}, {}, OURS, NOW)
+    # A split's children are not merge children, though their parent was one.
+    after = split(lay, 6, (0x8000,), now_ms=NOW)
+    history.applied(lay, Split(6, (0x8000,), "msgRateIn", ""), after, NOW, OURS, {})
+    history.forget(s.segment_id for s in after.active_segments())
+    child = {7: history.annotate(7, sample(12_000), NOW + 60_000, OURS)}
+    assert child[7].merged == 0
+    d = decide(after, child, {}, OURS, NOW + 60_000)
     assert isinstance(d, Split) and len(d.boundaries) == 1 and "undoing" not in d.detail
 
 
-def test_merge_undo_respects_the_fanout_and_collected_parents() -> None:
-    lay = cascade(NOW - 900_000, NOW - 600_000, NOW - 300_000)
+def test_merge_undo_respects_the_fanout_and_survives_a_new_leader() -> None:
+    lay, history = cascade(NOW - 900_000, NOW - 600_000, NOW - 300_000)
+    hot = hot_at(history, 12_000, NOW)
     binary = dataclasses.replace(OURS, max_split_fanout=2)
-    d = decide(lay, {6: sample(12_000)}, {}, binary, NOW)
-    assert isinstance(d, Split) and d.boundaries == (0x8000,)
+    d = decide(lay, hot, {}, binary, NOW)
+    assert isinstance(d, Split) and d.boundaries == (0x8000,) and "undoing" not in d.detail
     three = dataclasses.replace(OURS, max_split_fanout=3)
-    d = decide(lay, {6: sample(12_000)}, {}, three, NOW)
+    d = decide(lay, hot, {}, three, NOW)
     assert isinstance(d, Split) and len(d.boundaries) + 1 == 3
-    # Garbage collection deleted the first merges' parents: 4 and 5 are each one segment.
-    gone = prune(lay, [0, 1, 2, 3])
-    d = decide(gone, {6: sample(12_000)}, {}, OURS, NOW)
-    assert isinstance(d, Split) and d.boundaries == (0x8000,)
-    assert "made it of 2 segments" in d.detail
-    # A parent id the layout no longer holds (a link left dangling) counts as one.
-    dangling = {k: v for k, v in lay.segments.items() if k not in (0, 1)}
-    assert _replaced_by_merges(lay.segments[6], dangling, NOW - 1_800_000, 8) == 4
-    assert _replaced_by_merges(lay.segments[6], lay.segments, NOW - 1_800_000, 3) == 3
+    assert "made it of 4 segments" in d.detail
+    # The count is history, not the layout: a GC that pruned the sealed parents (Pulsar's
+    # does within a minute) loses nothing, and a new leader reads it back from etcd.
+    gone = prune(lay, [0, 1, 2, 3, 4, 5])
+    stored = json.loads(json.dumps(history.to_json()))
+    assert stored["6"]["merged"] == 4 and stored["6"]["mergedMs"] == NOW - 300_000
+    again = TopicHistory.from_json(stored)
+    d = decide(gone, {6: again.annotate(6, sample(12_000), NOW, OURS)}, {}, OURS, NOW)
+    assert isinstance(d, Split) and d.boundaries == (0x4000, 0x8000, 0xC000)
+    for bad in (True, -1, 2.5, "4"):
+        assert 6 not in TopicHistory.from_json({"6": {**stored["6"], "merged": bad}})
+    # ... and so does controllerd decide's LOAD.json.
+    record = load_sample_to_json(hot[6])
+    assert record["merged"] == 4
+    assert load_sample_from_json(record).merged == 4
+    with pytest.raises(ModelError, match="merged"):
+        load_sample_from_json({**record, "merged": -1})
 
 
 def test_merge_undo_with_a_histogram_balances_the_children_it_restores() -> None:
-    lay = cascade(NOW - 900_000, NOW - 600_000, NOW - 300_000)
+    lay, history = cascade(NOW - 900_000, NOW - 600_000, NOW - 300_000)
     skewed = (3.0,) * 16 + (1.0,) * 16  # three quarters of the load in the lower half
-    hot = {6: LoadSample(rates(12_000), LONG_AGO, hash_buckets=skewed)}
+    hot = {6: dataclasses.replace(hot_at(history, 12_000, NOW)[6], hash_buckets=skewed)}
     d = decide(lay, hot, {}, OURS, NOW)
     assert isinstance(d, Split) and len(d.boundaries) == 3
     assert d.boundaries[1] < 0x8000  # balanced by load, not equal-width
     plan = plan_split(FULL, list(skewed), 1.2, 8, 256, min_children=4)
     assert plan is not None and len(plan.loads) == 4
     assert max(plan.loads) == pytest.approx(0.3, abs=0.05)
-    assert plan_split(FULL, list(skewed), 1.2, 3, 256, min_children=4) is not None
+    capped = plan_split(FULL, list(skewed), 1.2, 3, 256, min_children=4)
+    assert capped is not None and len(capped.loads) == 3
+    # Load in two slices: the balance alone stops at two children; the count is
+    # restored by cutting the widest child near its middle.
+    two = [0.0] * 32
+    two[5], two[20] = 1.0, 0.2
+    plan = plan_split(FULL, two, 1.2, 8, 256, min_children=4)
+    assert plan is not None and len(plan.loads) == 4
+    assert min(plan.widths) >= 256 and sum(plan.loads) == pytest.approx(1.2)
+    assert plan_split(FULL, two, 1.2, 8, 256) == plan_split(FULL, two, 1.2, 8, 256, min_children=2)
+    narrow = plan_split(HashRange(0, 767), two, 1.2, 8, 256, min_children=4)
+    # 768 hashes cut at 480 by the balance: neither child can be cut again into two of
+    # at least min_split_width (256), so the count stays short of four.
+    assert narrow is not None and narrow.widths == (480, 288)
 
 
 # --- history the caller keeps -----------------------------------------------------------------

@@ -722,6 +722,7 @@ def history_fields(draw: st.DrawFn, policy: PolicySettings, now: int) -> dict[st
         "flipflops": draw(st.integers(0, 9)),
         "last_flipflop_ms": draw(st.none() | AGO.map(lambda ago: now - ago)),
         "rise": draw(st.sampled_from([0.0, 0.05, 0.5, 3.0])),
+        "merged": draw(st.sampled_from([0, 1, 4, 9])),
     }
 
 
@@ -732,6 +733,7 @@ def off(policy: PolicySettings) -> PolicySettings:
         peak_window_seconds=0.0,
         merge_backoff_factor=1.0,
         merge_headroom_half_life_seconds=0.0,
+        merge_undo_seconds=0.0,
         range_split_cooldown=False,
         split_to_peak=False,
         load_aware_splits=False,

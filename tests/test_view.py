@@ -247,6 +247,7 @@ def test_a_plain_pulsar_record_is_packed_not_kept_as_an_object() -> None:
         "flipflops",
         "last_flipflop_ms",
         "rise",
+        "merged",
     }
     table = LoadTable()
     for sid in range(16):
@@ -256,6 +257,8 @@ def test_a_plain_pulsar_record_is_packed_not_kept_as_an_object() -> None:
     assert table._extra is not None and list(table._extra) == [3]
     table.put(5, LoadSample(Rates(1.0, 2.0, 3.0, 4.0), 5, None, rise=0.5), 100)
     assert table[5].rise == 0.5 and list(table._extra) == [3, 5]
+    table.put(7, LoadSample(Rates(1.0, 2.0, 3.0, 4.0), 5, None, merged=4), 101)
+    assert table[7].merged == 4 and list(table._extra) == [3, 5, 7]
 
 
 _RECORD_KEYS = (
@@ -404,6 +407,7 @@ def test_with_cold_since_is_replace_on_every_field() -> None:
         flipflops=12,
         last_flipflop_ms=13,
         rise=14.0,
+        merged=15,
     )
     defaults = LoadSample(Rates(1.0, 2.0, 3.0, 4.0), changed_at_ms=5)
     for fields_set, sample in (("all", full), ("defaults", defaults)):

@@ -233,6 +233,10 @@ class LoadSample:
     #: its records, in split thresholds (the split score's units), halved every
     #: ``policy.merge_headroom_half_life_seconds`` since; a merge leaves room for it.
     rise: float = 0.0
+    #: ours, kept by the caller: how many segments the merges of the last
+    #: ``policy.merge_undo_seconds`` folded into this range (0 or 1: none); a split of
+    #: it gets at least that many children.
+    merged: int = 0
 
     def with_cold_since(self, cold_since_ms: int) -> LoadSample:
         """This sample with ``cold_since_ms`` set: ``dataclasses.replace``, built
@@ -248,6 +252,7 @@ class LoadSample:
             self.flipflops,
             self.last_flipflop_ms,
             self.rise,
+            self.merged,
         )
 
 
@@ -372,11 +377,13 @@ class PolicySettings:
     #: volatility). About 170 bytes a range in ``TopicHistory``, not a queue of records.
     merge_headroom_half_life_seconds: float = 0.0
     #: ours: a range made by merges within this many seconds that turns hot splits
-    #: back at once into as many children as the segments those merges replaced (at
-    #: most ``max_split_fanout``), not one threshold's worth at a time: the load that
-    #: left has come back, and a cascade of merges undone split by split costs an
-    #: operation (and a flip-flop) per level. 0 = off (Pulsar). 1800: the backtest's
-    #: flip-flop window; it changes nothing on the traces the defaults were tuned on.
+    #: back at once into as many children as the segments those merges replaced (as
+    #: far as the fanout cap allows), not one threshold's worth at a time: the load
+    #: that left has come back, and a cascade of merges undone split by split costs an
+    #: operation (and a flip-flop) per level. The count is history the caller keeps
+    #: (``LoadSample.merged``, from ``TopicHistory``), not read from the layout: Pulsar's
+    #: GC prunes drained sealed parents within a minute. 0 = off (Pulsar). 1800: the
+    #: backtest's flip-flop window (docs/backtest.md, "What each setting buys").
     merge_undo_seconds: float = 1800.0
     #: ours: true = the split cooldown holds back only the children of a recent
     #: split (whose first records are the noisiest); any other range over its
@@ -721,6 +728,9 @@ def load_sample_from_json(
     flipflops = _int(obj, "flipflops", where, 0)
     if flipflops < 0:
         raise ModelError(f"{where}.flipflops: must be >= 0, got {flipflops!r}")
+    merged = _int(obj, "merged", where, 0)
+    if merged < 0:
+        raise ModelError(f"{where}.merged: must be >= 0, got {merged!r}")
     return LoadSample(
         rates,
         changed,
@@ -733,6 +743,7 @@ def load_sample_from_json(
         if obj.get("lastFlipflopMs") is not None
         else None,
         rise=_number(obj, ("rise",), where) if obj.get("rise") is not None else 0.0,
+        merged=merged,
     )
 
 
@@ -853,4 +864,6 @@ def load_sample_to_json(sample: LoadSample) -> dict[str, Any]:
         out["lastFlipflopMs"] = sample.last_flipflop_ms
     if sample.rise:
         out["rise"] = sample.rise
+    if sample.merged:
+        out["merged"] = sample.merged
     return out

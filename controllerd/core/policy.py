@@ -485,6 +485,31 @@ def _balanced(
     return cuts
 
 
+def _widened(cuts: list[int], widths: Sequence[int], children: int, min_width: int) -> list[int]:
+    """``cuts`` with more, up to ``children`` children: the widest child that can be is cut
+    at the slice edge nearest its middle (both parts at least ``min_width``). The load
+    balance cannot ask for these (it stops at the fewest children it needs); a
+    ``min_children`` from ``merge_undo_seconds`` can."""
+    cuts = sorted(cuts)
+    while len(cuts) + 1 < children:
+        edges = [0, *cuts, len(widths)]
+        best: tuple[int, int] | None = None  # (width of the child, cut)
+        for a, b in itertools.pairwise(edges):
+            total = sum(widths[a:b])
+            left, cut, gap = 0, None, total
+            for j in range(a + 1, b):
+                left += widths[j - 1]
+                fits = left >= min_width and total - left >= min_width
+                if fits and abs(total - 2 * left) < gap:
+                    cut, gap = j, abs(total - 2 * left)
+            if cut is not None and (best is None or total > best[0]):
+                best = (total, cut)
+        if best is None:
+            break
+        cuts = sorted([*cuts, best[1]])
+    return cuts
+
+
 def _balanced_any(
     widths: Sequence[int], loads: Sequence[float], children: int, min_width: int
 ) -> list[int] | None:
@@ -606,8 +631,10 @@ def plan_split(
     if cuts is None:
         fewest = _greedy(widths, loads, 1.0, min_width)
         want = max_children if fewest is None else max(2, min(max_children, len(fewest) + 1))
-        want = max(want, min(min_children, max_children))
-        cuts = _balanced(widths, loads, want, min_width)
+        need = min(min_children, max_children)
+        cuts = _balanced(widths, loads, max(want, need), min_width)
+        if cuts and len(cuts) + 1 < need:
+            cuts = _widened(cuts, widths, need, min_width)
     if not cuts:
         return None
     edges = [0, *cuts, len(starts)]
@@ -625,32 +652,6 @@ def plan_split(
     return SplitPlan(tuple(starts[c] for c in cuts), child_loads, child_widths, refused)
 
 
-def _replaced_by_merges(
-    seg: Segment, segments: Mapping[int, Segment], since_ms: float, at_most: int
-) -> int:
-    """How many segments the merges made at or after ``since_ms`` folded into ``seg``
-    (1 if it is not such a merge's child), counted up to ``at_most``.
-
-    A merge child's parents are expanded while they too are recent merge children;
-    a parent no longer in the layout (collected) counts as one segment.
-    """
-    count, stack = 0, [seg]
-    while stack:
-        here = stack.pop()
-        if len(here.parent_ids) < 2 or here.created_at_ms < since_ms:
-            count += 1
-            if count >= at_most:
-                return at_most
-            continue
-        for pid in here.parent_ids:
-            parent = segments.get(pid)
-            if parent is None:
-                count += 1
-            else:
-                stack.append(parent)
-    return min(count, at_most)
-
-
 def _children_for(
     seg: Segment, sample: LoadSample, score: float, cap: int, policy: PolicySettings, undo: int
 ) -> SplitPlan:
@@ -659,7 +660,7 @@ def _children_for(
     k_score = score
     if policy.split_to_peak and policy.peak_window_seconds > 0 and sample.peak_rates is not None:
         k_score = max(score, split_score(sample.peak_rates, policy.split_thresholds)[0])
-    least = min(cap, undo)
+    least = min(cap, max(2, undo))
     if policy.load_aware_splits and sample.hash_buckets is not None:
         plan = plan_split(
             seg.hash_range, sample.hash_buckets, k_score, cap, policy.min_split_width, least
@@ -677,14 +678,11 @@ def _split_pass(
     policy: PolicySettings,
     now_ms: int,
     last_split_ms: int | None = None,
-    segments: Mapping[int, Segment] | None = None,
 ) -> Split | NoAction | None:
     """A Split, a NoAction naming why a needed split is blocked, or None (nothing hot).
 
     With ``range_split_cooldown``, children of a recent split are held back; that is
     worked out only once something needs a split (the common case needs none).
-    ``segments`` (the layout's, sealed ones included) lets ``merge_undo_seconds`` see
-    what a hot merge child replaced; without them it is off.
     """
     n = len(active)
     if max_consumers > n:
@@ -745,13 +743,11 @@ def _split_pass(
             candidates.append((-score, seg.segment_id, seg, rate))
     candidates.sort(key=lambda c: (c[0], c[1]))
     refused: list[tuple[int, SplitPlan]] = []
-    undo_ms = policy.merge_undo_seconds * 1000.0
+    undo_on = policy.merge_undo_seconds > 0
     for neg_score, sid, seg, rate in candidates:
         sample = loads[sid]
         cap = _fanout_cap(seg, policy, n)
-        undo = 1
-        if undo_ms > 0 and segments is not None and len(seg.parent_ids) > 1:
-            undo = _replaced_by_merges(seg, segments, now_ms - undo_ms, cap)
+        undo = sample.merged if undo_on else 0
         plan = _children_for(seg, sample, -neg_score, cap, policy, undo)
         if plan.refused:
             refused.append((sid, plan))
@@ -765,7 +761,9 @@ def _split_pass(
             if plan.loads
             else f"{k}-way split"
         )
-        if undo > 1:
+        # said only when the undo added children, not of a split the load alone sizes
+        alone = _children_for(seg, sample, -neg_score, cap, policy, 0) if undo > 1 else None
+        if alone is not None and k > len(alone.boundaries) + 1:
             how += (
                 f", undoing merges of the last {policy.merge_undo_seconds:g}s "
                 f"that made it of {undo} segments"
@@ -975,7 +973,7 @@ def decide(
     Args:
         layout: a layout that holds the invariants (``layout.check``).
         loads: load samples by segment id; a missing sample is never cold. The
-            history fields (``peak_rates``, ``flipflops``) come from the
+            history fields (``peak_rates``, ``flipflops``, ``merged``) come from the
             caller's :class:`TopicHistory`; without them those rules are off.
         consumers: consumer count per STREAM/CHECKPOINT subscription (QUEUE
             subscriptions must be left out by the caller); the max is used.
@@ -1008,9 +1006,7 @@ def decide(
                 ),
             )
     else:
-        result = _split_pass(
-            active, loads, max_consumers, policy, now_ms, last_split_ms, layout.segments
-        )
+        result = _split_pass(active, loads, max_consumers, policy, now_ms, last_split_ms)
         if isinstance(result, Split):
             return result
         blocked = result
@@ -1248,7 +1244,9 @@ class _Range:
     last record (``score``, what the next record rises from). ``score`` is only ever
     this range's own record's, kept in memory: a new range (split or merge child) or a
     new leader starts without one, since a score guessed from a parent, or stored at the
-    last operation, would show the next record rising by a jump that never happened."""
+    last operation, would show the next record rising by a jump that never happened.
+    ``merged`` is how many segments the range's merges folded into it, the last at
+    ``merged_ms`` (0: it is not a merge's child)."""
 
     peaks: tuple[deque[tuple[int, float]], ...] = ()
     flipflops: int = 0
@@ -1256,6 +1254,8 @@ class _Range:
     rise: float = 0.0
     rise_ms: int = 0
     score: float | None = None
+    merged: int = 0
+    merged_ms: int = 0
 
 
 def _decayed(rise: float, since_ms: int, policy: PolicySettings, now_ms: int) -> float:
@@ -1290,7 +1290,10 @@ class TopicHistory:
     merge child inherits the sum of its parents' peaks, stamped with the later
     of their times. A flip-flop is a split of a merge child, or a merge of a
     split child, within that range's merge window of its creation; children
-    inherit the flip-flops their parent still answers for. Losing this state
+    inherit the flip-flops their parent still answers for. With ``merge_undo_seconds``
+    a merge child counts the segments its merges folded in (a parent merged within
+    that time of this merge brings its own count), for the split that may undo them.
+    Losing this state
     (a restart) only makes merges judge the current load and the plain window.
     """
 
@@ -1360,7 +1363,8 @@ class TopicHistory:
             return sample
         peak = self.peak(segment_id, now_ms, policy)
         rise = _decayed(state.rise, state.rise_ms, policy, now_ms)
-        if peak is None and state.flipflops == 0 and rise == 0:
+        merged = _recent_merges(state, policy, now_ms)
+        if peak is None and state.flipflops == 0 and rise == 0 and merged == 0:
             return sample
         return dataclasses.replace(
             sample,
@@ -1368,6 +1372,7 @@ class TopicHistory:
             flipflops=state.flipflops,
             last_flipflop_ms=state.last_flipflop_ms,
             rise=rise,
+            merged=merged,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -1379,6 +1384,7 @@ class TopicHistory:
                 "lastFlipflopMs": state.last_flipflop_ms,
                 "rise": state.rise,
                 "riseMs": state.rise_ms,
+                **({"merged": state.merged, "mergedMs": state.merged_ms} if state.merged else {}),
             }
             for sid, state in sorted(self._ranges.items())
         }
@@ -1401,6 +1407,8 @@ class TopicHistory:
                     last_flipflop_ms=_stamp(last) if last is not None else None,
                     rise=_finite(raw.get("rise", 0.0)),
                     rise_ms=_stamp(raw.get("riseMs", 0)),
+                    merged=_count(raw.get("merged", 0)),
+                    merged_ms=_stamp(raw.get("mergedMs", 0)),
                 )
             except (TypeError, ValueError, AttributeError):
                 continue
@@ -1470,6 +1478,13 @@ class TopicHistory:
                     self._ranges[child] = new
         else:
             new = _Range(flipflops=count, last_flipflop_ms=last_ff)
+            if policy.merge_undo_seconds > 0:
+                # each parent is the segments its own recent merges folded in, or itself
+                new.merged = sum(
+                    max(1, _recent_merges(p, policy, now_ms)) if p is not None else 1
+                    for p in states
+                )
+                new.merged_ms = now_ms
             peaks = []
             for k in range(4):
                 heads = [s.peaks[k][0] for s in states if s is not None and s.peaks and s.peaks[k]]
@@ -1483,11 +1498,26 @@ class TopicHistory:
                 _decayed(p.rise, p.rise_ms, policy, now_ms) for p in states if p is not None
             )
             new.rise_ms = now_ms
-            if count or any(new.peaks) or new.rise:
+            if count or any(new.peaks) or new.rise or new.merged:
                 self._ranges[children[0]] = new
         for pid in parents:
             self._ranges.pop(pid, None)
         return flipflop
+
+
+def _recent_merges(state: _Range, policy: PolicySettings, now_ms: int) -> int:
+    """Segments folded into the range by merges within ``merge_undo_seconds`` (0: none)."""
+    undo_ms = policy.merge_undo_seconds * 1000.0
+    if state.merged < 2 or undo_ms <= 0 or now_ms - state.merged_ms > undo_ms:
+        return 0
+    return state.merged
+
+
+def _count(value: Any) -> int:
+    """A stored segment count: an int >= 0 (not a bool), else ValueError (the range is dropped)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"not a count: {value!r}")
+    return value
 
 
 def _finite(value: Any) -> float:

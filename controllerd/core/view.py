@@ -427,6 +427,7 @@ def _needs_extra(sample: LoadSample) -> bool:
         or sample.flipflops != 0
         or sample.last_flipflop_ms is not None
         or sample.rise != 0
+        or sample.merged != 0
     )
 
 

@@ -845,7 +845,11 @@ def simulate(
     lazy_heartbeats = heartbeat_ms > 0 and (ttl_ms <= 0 or heartbeat_ms - step_ms <= ttl_ms)
     hb_ms = report.report_max_interval_seconds * 1000.0
     gate = Gate(rule)
-    use_history = policy.enabled and (observes_records(policy) or policy.merge_backoff_factor > 1.0)
+    use_history = policy.enabled and (
+        observes_records(policy)
+        or policy.merge_backoff_factor > 1.0
+        or policy.merge_undo_seconds > 0
+    )
 
     layout = initial_layout(strategy.initial_segments, now_ms=source.start_ms)
     reporters: dict[int, _Reporter] = {}
