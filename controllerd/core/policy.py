@@ -1126,6 +1126,10 @@ def next_decision_ms(
     """The earliest time after ``now_ms`` at which ``decide`` could answer differently
     with the same inputs, or None if time alone never changes its answer.
 
+    (``LoadSample.merged`` is an input: :meth:`TopicHistory.annotate` stops passing it
+    ``merge_undo_seconds`` after the merge. It only shapes a split, never decides
+    whether one happens, so no wake is listed for it.)
+
     Time enters ``decide`` only through cooldowns, merge windows (and their
     backoff decay), record staleness and the decay of recent rises; this lists
     when each runs out. It is

@@ -214,7 +214,9 @@ def operations(arrivals: Sequence[float], per_op: int | None = None) -> list[lis
     ``per_op``: every operation made exactly this many attempts (a storm of 5xx, each
     retried ``max_retries`` times): consecutive runs of that many, whatever the gaps.
     Gaps alone misgroup on a loaded machine, where the client's own retry (a backoff
-    of at most 0.1 s plus a layout read) arrived 0.315 s after its first attempt.
+    of at most 0.1 s plus a layout read) arrived 0.315 s after its first attempt. The
+    caller must check that the runs are operations (none spans a topic backoff): a
+    miscount shifts every later run.
     """
     if per_op is not None:
         return [list(arrivals[i : i + per_op]) for i in range(0, len(arrivals), per_op)]

@@ -126,6 +126,11 @@ async def test_503_and_500_storms_back_off_bounded_jittered_and_recover(chaos: C
     for topic in topics:
         failed = [s for s in split_posts(chaos, topic) if s.injected]
         ops = operations([s.at for s in failed], per_op=MAX_RETRIES + 1)
+        # The runs must be operations: a run holding the end of one and the start of the
+        # next (an operation of one attempt, or three) would span a topic backoff, which
+        # is at least SCHEDULE.ceiling(0) / 2; the client's own retry is far shorter.
+        spans = [op[-1] - op[0] for op in ops]
+        assert all(span < SCHEDULE.ceiling(0) / 2 for span in spans), (topic.topic, ops)
         gaps[topic.topic] = check_schedule(topic.topic, ops)
     for kind in ("503", "500"):
         first, second = gaps[f"{kind}-1"], gaps[f"{kind}-2"]
