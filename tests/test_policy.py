@@ -729,8 +729,10 @@ def test_only_merges_within_merge_undo_seconds_are_undone() -> None:
     # Up to merge_undo_seconds after the last merge inclusive, then a split for the load.
     edge = NOW - 300_000 + 1_800_000
     assert hot_at(history, 12_000, edge)[6].merged == 3
+    assert 6 in history
     late = hot_at(history, 12_000, edge + 1)
     assert late[6].merged == 0
+    assert 6 not in history  # an expired count held nothing else: the range is dropped
     d = decide(lay, late, {}, OURS, edge + 1)
     assert isinstance(d, Split) and d.boundaries == (0x8000,) and "undoing" not in d.detail
     # A split's children are not merge children, though their parent was one.

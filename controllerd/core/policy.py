@@ -1368,6 +1368,11 @@ class TopicHistory:
         peak = self.peak(segment_id, now_ms, policy)
         rise = _decayed(state.rise, state.rise_ms, policy, now_ms)
         merged = _recent_merges(state, policy, now_ms)
+        if state.merged and not merged:  # past merge_undo_seconds: no split will use it
+            state.merged = state.merged_ms = 0
+            idle = state.flipflops == 0 and state.last_flipflop_ms is None and not state.rise
+            if idle and state.score is None and not any(state.peaks):
+                del self._ranges[segment_id]  # every merge leaves one: do not keep it
         if peak is None and state.flipflops == 0 and rise == 0 and merged == 0:
             return sample
         return dataclasses.replace(
