@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, cast
 
 import anyio
@@ -463,6 +463,17 @@ async def _eventually_stored(store: Store, key: str) -> bytes:
     return kv.value
 
 
+async def _stored_json_until(
+    store: Store, key: str, done: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """The JSON object at ``key`` once ``done`` holds for it (written behind the evaluation,
+    possibly after an earlier value)."""
+    with anyio.fail_after(10):
+        while not done(value := json.loads(await _eventually_stored(store, key))):  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    return cast(dict[str, Any], value)
+
+
 class RecordingAudit(AuditSink):
     def __init__(self) -> None:
         self.records: list[Mapping[str, Any]] = []
@@ -589,12 +600,11 @@ async def test_a_flip_flop_is_remembered_in_etcd_for_the_next_leader(
             await h1.put_load(2, HOT)  # the merge child is hot at once: a flip-flop
             await eventually(lambda: h1.requests("/split/") == 1)
             # (the merge stored its child's merged count first: wait for the split's write)
-            with anyio.fail_after(10):
-                while True:
-                    ranges = json.loads(await _eventually_stored(store, h1.keys.history(TOPIC)))
-                    if ranges and all(r["flipflops"] == 1 for r in ranges.values()):
-                        break
-                    await anyio.sleep(0.01)
+            ranges = await _stored_json_until(
+                store,
+                h1.keys.history(TOPIC),
+                lambda got: bool(got) and all(r["flipflops"] == 1 for r in got.values()),
+            )
         async with open_harness(
             etcd_server.endpoint, etcd_prefix, store=store, replica="test-2", extra_config=window
         ) as h2:
@@ -661,12 +671,11 @@ async def merge_down(h: Harness, first: int) -> int:
     await eventually(lambda: not h.controller.status()["in_flight"])
     # The count is history, kept in etcd for a new leader (not read from the layout,
     # whose sealed parents Pulsar's GC prunes within a minute).
-    with anyio.fail_after(10):
-        while True:
-            stored = json.loads(await _eventually_stored(h.store, h.keys.history(TOPIC)))
-            if stored.get(str(first + 6), {}).get("merged") == 4:
-                break
-            await anyio.sleep(0.01)
+    await _stored_json_until(
+        h.store,
+        h.keys.history(TOPIC),
+        lambda got: got.get(str(first + 6), {}).get("merged") == 4,
+    )
     return first + 6
 
 
@@ -722,11 +731,9 @@ async def test_a_split_carries_the_flip_flops_its_range_answers_for_to_its_child
                 )
 
             await eventually(carried)
-            stored = json.loads(await _eventually_stored(store, h.keys.history(TOPIC)))
-            with anyio.fail_after(10):
-                while set(stored) != children:
-                    await anyio.sleep(0.01)
-                    stored = json.loads(await _eventually_stored(store, h.keys.history(TOPIC)))
+            stored = await _stored_json_until(
+                store, h.keys.history(TOPIC), lambda got: set(got) == children
+            )
             assert all(r["flipflops"] == 1 for r in stored.values())
 
 
