@@ -63,6 +63,7 @@ from tests.faults.chaos import (
     operations,
     schedule_violations,
     segments_prefix,
+    spanning_backoff,
     topic_path,
 )
 from tests.faults.poison import KINDS, NEVER_REJECTED, Poison, poison_key, poison_values
@@ -445,7 +446,7 @@ async def storms(args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: 
                 if kind in ("500", "503"):  # two attempts each (the client's one retry)
                     ops = operations(posts, per_op=2)
                     # a run spanning a topic backoff is not one operation: count it
-                    beyond += sum(op[-1] - op[0] >= schedule.ceiling(0) / 2 for op in ops)
+                    beyond += len(spanning_backoff(ops, schedule))
                     beyond += _beyond_schedule(ops, schedule)
                 elif kind != "hang":  # each attempt of a hung request waits out the timeout
                     beyond += _beyond_schedule(operations(posts), schedule)
