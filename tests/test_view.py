@@ -18,6 +18,7 @@ from controllerd.core.model import (
     load_sample_from_json,
     plain_load_json,
 )
+from controllerd.core.policy import TopicHistory
 from controllerd.core.view import (
     Change,
     Cooldown,
@@ -568,3 +569,26 @@ def test_a_bad_record_on_the_fast_path_is_rejected_as_on_the_full_path() -> None
         assert isinstance(expected, Rejected) and said[-1] == expected
         assert 1 not in bulk.topics[T].loads and 1 not in single.topics[T].loads
         assert _view_state(bulk) == _view_state(single)
+
+
+def test_a_history_the_caller_writes_comes_back_without_replacing_the_one_it_holds() -> None:
+    """The leader writes history behind: an echo of an older write must not undo a newer
+    range it holds (a second merge's); a history it does not write is applied."""
+    view = fresh()
+    old = json.dumps({"4": {"flipflops": 0, "merged": 2, "mergedMs": NOW}}).encode()
+    held = {"4": {"merged": 2}, "5": {"merged": 2}}
+    view.apply_put(KEYS.history(T), old, 11, NOW)
+    state = view.topics[T]
+    assert state.history is not None and set(state.history.to_json()) == {"4"}
+    view.writes_history = lambda topic: topic == T
+    mine = TopicHistory.from_json({k: {**v, "mergedMs": NOW} for k, v in held.items()})
+    state.history = mine
+    assert view.apply_put(KEYS.history(T), old, 12, NOW) == Change("history", T, False)
+    assert state.history is mine and set(mine.to_json()) == {"4", "5"}
+    assert view.apply_delete(KEYS.history(T)) == Change("history", T, False)
+    assert state.history is mine
+    view.writes_history = lambda topic: False
+    view.apply_put(KEYS.history(T), old, 14, NOW)
+    assert state.history is not mine and set(state.history.to_json()) == {"4"}
+    view.apply_delete(KEYS.history(T))
+    assert state.history is None

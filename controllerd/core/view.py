@@ -534,6 +534,10 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) <= REASON_LIMIT else text[: REASON_LIMIT - 3] + "..."
 
 
+def _nobody(topic: TopicName) -> bool:
+    return False
+
+
 class MetadataView:
     """All topics under the metadata prefix, plus the controller-owned state."""
 
@@ -546,6 +550,11 @@ class MetadataView:
         self.pulsar_namespaces: dict[tuple[str, str], NamespacePolicies] = {}
         #: Bumped on every override change, so cached resolved policies expire.
         self.overrides_generation = 0
+        #: Whether the caller writes ``name``'s history (it leads the topic): a stored
+        #: history is then its own write coming back, written behind and possibly older
+        #: than the one it holds, so the view keeps the held one (else a merge right
+        #: after another would lose the first one's range until the next echo).
+        self.writes_history: Callable[[TopicName], bool] = _nobody
         self._topics_prefix = keys.topics_prefix
         self._controller_prefix = keys.controller_prefix
         self._pulsar_policies_prefix = keys.pulsar_policies_prefix
@@ -863,7 +872,8 @@ class MetadataView:
                 raw = parse_json(value)
                 if not isinstance(raw, dict):
                     raise ModelError(f"history: expected a JSON object, got {_show(raw)}")
-                self.topic(name).history = TopicHistory.from_json(raw)
+                if not self.writes_history(name):
+                    self.topic(name).history = TopicHistory.from_json(raw)
                 return Change("history", name, False)
             case ["pending-deletes", t, n, topic, descriptor]:
                 marker = parse_pending_delete(parse_json(value))
@@ -901,7 +911,7 @@ class MetadataView:
                 return Change("cold", topic_from_key(t, n, topic), False)
             case ["history", t, n, topic]:
                 state = self.topics.get(topic_from_key(t, n, topic))
-                if state is not None:
+                if state is not None and not self.writes_history(state.name):
                     state.history = None
                 return Change("history", topic_from_key(t, n, topic), False)
             case ["pending-deletes", *_]:

@@ -191,6 +191,7 @@ class Controller:
         self._store = store
         self._broker = broker
         self.view = view
+        view.writes_history = self._writes_history
         self._metrics = metrics
         self._audit = audit
         self._clock = clock
@@ -248,6 +249,8 @@ class Controller:
             TopicName,
             tuple[Layout, Split | Merge, PolicySettings, Mapping[int, LoadSample], int],
         ] = {}
+        # topic -> the leadership token under which we last wrote its history
+        self._history_term: dict[TopicName, int] = {}
         self._config_generation = 0
         self._shared: dict[tuple[int, ...], PolicySettings | PolicyInvalid] = {}
         self._shared_generation = (-1, -1)
@@ -285,6 +288,13 @@ class Controller:
 
     def leads(self, topic: TopicName) -> bool:
         return self.leadership_for(topic) is not None
+
+    def _writes_history(self, topic: TopicName) -> bool:
+        """Whether ``topic``'s stored history is ours, written this term: the view then
+        keeps the history we hold (see ``MetadataView.writes_history``). A value from
+        before our term (a predecessor's, or the first load) is applied as ever."""
+        leadership = self.leadership_for(topic)
+        return leadership is not None and self._history_term.get(topic) == leadership.token
 
     @property
     def scopes(self) -> Mapping[Scope, Leadership]:
@@ -420,6 +430,7 @@ class Controller:
                     self._attempts,
                     self._awaiting,
                     self._applied,
+                    self._history_term,
                     self._missed,
                     self._quiet,
                 ):
@@ -594,7 +605,9 @@ class Controller:
         history.forget(s.segment_id for s in after.active_segments())
         body = history.to_json()
         state.history = history if body else None
-        if body != was and self.leads(topic):
+        leadership = self.leadership_for(topic)
+        if body != was and leadership is not None:
+            self._history_term[topic] = leadership.token
             self._write(self._keys.history(topic), orjson.dumps(body) if body else None, state)
 
     def _index(self, topic: TopicName) -> None:
