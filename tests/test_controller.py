@@ -571,6 +571,15 @@ async def test_cold_since_of_a_record_without_time_stamps_is_persisted(
         await h.store.put(h.keys.load(TOPIC, 0), record)
         kv = await _eventually_stored(h.store, h.keys.cold_since(TOPIC, 0))
         assert int(kv) == start
+        # Warm again before that write's echo arrives: the late echo must not bring the
+        # old start back (the next cold spell would count its window from it).
+        await h.clock.advance(60.0)
+        await h.store.put(h.keys.load(TOPIC, 0), record.replace(b"5.0", b"5000.0"))
+        state = h.controller.view.topics[TOPIC]
+        await eventually(lambda: 0 not in state.cold_since)
+        assert h.controller.view.writes_state(TOPIC)
+        h.controller.view.apply_put(h.keys.cold_since(TOPIC, 0), kv, 1, h.clock.now_ms())
+        assert 0 not in state.cold_since
 
 
 async def test_a_flip_flop_is_remembered_in_etcd_for_the_next_leader(

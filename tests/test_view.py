@@ -580,15 +580,34 @@ def test_a_history_the_caller_writes_comes_back_without_replacing_the_one_it_hol
     view.apply_put(KEYS.history(T), old, 11, NOW)
     state = view.topics[T]
     assert state.history is not None and set(state.history.to_json()) == {"4"}
-    view.writes_history = lambda topic: topic == T
+    view.writes_state = lambda topic: topic == T
     mine = TopicHistory.from_json({k: {**v, "mergedMs": NOW} for k, v in held.items()})
     state.history = mine
     assert view.apply_put(KEYS.history(T), old, 12, NOW) == Change("history", T, False)
     assert state.history is mine and set(mine.to_json()) == {"4", "5"}
     assert view.apply_delete(KEYS.history(T)) == Change("history", T, False)
     assert state.history is mine
-    view.writes_history = lambda topic: False
+    view.writes_state = lambda topic: False
     view.apply_put(KEYS.history(T), old, 14, NOW)
     assert state.history is not mine and set(state.history.to_json()) == {"4"}
     view.apply_delete(KEYS.history(T))
     assert state.history is None
+
+
+def test_a_cold_since_the_caller_writes_comes_back_without_undoing_what_it_holds() -> None:
+    """A segment cold, then warm again, before the put's echo arrives: the echo must not
+    bring back the old start of its cold window (the next cold spell would count from
+    it); a cold-since the caller does not write (a predecessor's) is applied."""
+    view = fresh()
+    view.writes_state = lambda topic: topic == T
+    state = view.topic(T)
+    assert view.apply_put(KEYS.cold_since(T, 4), b"1000", 11, NOW) == Change("cold", T, False)
+    assert state.cold_since == {}
+    state.cold_since[5] = 2000
+    assert view.apply_delete(KEYS.cold_since(T, 5)) == Change("cold", T, False)
+    assert state.cold_since == {5: 2000}
+    view.writes_state = lambda topic: False
+    view.apply_put(KEYS.cold_since(T, 4), b"1000", 13, NOW)
+    assert state.cold_since == {4: 1000, 5: 2000}
+    view.apply_delete(KEYS.cold_since(T, 5))
+    assert state.cold_since == {4: 1000}

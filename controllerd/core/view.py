@@ -550,11 +550,13 @@ class MetadataView:
         self.pulsar_namespaces: dict[tuple[str, str], NamespacePolicies] = {}
         #: Bumped on every override change, so cached resolved policies expire.
         self.overrides_generation = 0
-        #: Whether the caller writes ``name``'s history (it leads the topic): a stored
-        #: history is then its own write coming back, written behind and possibly older
-        #: than the one it holds, so the view keeps the held one (else a merge right
-        #: after another would lose the first one's range until the next echo).
-        self.writes_history: Callable[[TopicName], bool] = _nobody
+        #: Whether the caller writes ``name``'s history and cold-since keys (it leads
+        #: the topic): a stored value is then its own write coming back, written behind
+        #: and possibly older than the one it holds, so the view keeps the held one
+        #: (else a merge right after another would lose the first one's range until
+        #: the next echo, and a segment warm again would briefly get back the
+        #: cold-since it had, an old start for its next cold window).
+        self.writes_state: Callable[[TopicName], bool] = _nobody
         self._topics_prefix = keys.topics_prefix
         self._controller_prefix = keys.controller_prefix
         self._pulsar_policies_prefix = keys.pulsar_policies_prefix
@@ -865,14 +867,15 @@ class MetadataView:
                 since = _long(parse_json(value), "cold-since")
                 if since < 0:
                     raise ModelError(f"cold-since: must be >= 0, got {since}")
-                self.topic(name).cold_since[_segment_id(sid)] = since
+                if not self.writes_state(name):
+                    self.topic(name).cold_since[_segment_id(sid)] = since
                 return Change("cold", name, False)
             case ["history", t, n, topic]:
                 name = topic_from_key(t, n, topic)
                 raw = parse_json(value)
                 if not isinstance(raw, dict):
                     raise ModelError(f"history: expected a JSON object, got {_show(raw)}")
-                if not self.writes_history(name):
+                if not self.writes_state(name):
                     self.topic(name).history = TopicHistory.from_json(raw)
                 return Change("history", name, False)
             case ["pending-deletes", t, n, topic, descriptor]:
@@ -906,12 +909,12 @@ class MetadataView:
                 return Change("cooldown", topic_from_key(t, n, topic), False)
             case ["cold-since", t, n, topic, sid]:
                 state = self.topics.get(topic_from_key(t, n, topic))
-                if state is not None:
+                if state is not None and not self.writes_state(state.name):
                     state.cold_since.pop(_segment_id(sid), None)
                 return Change("cold", topic_from_key(t, n, topic), False)
             case ["history", t, n, topic]:
                 state = self.topics.get(topic_from_key(t, n, topic))
-                if state is not None and not self.writes_history(state.name):
+                if state is not None and not self.writes_state(state.name):
                     state.history = None
                 return Change("history", topic_from_key(t, n, topic), False)
             case ["pending-deletes", *_]:

@@ -191,7 +191,7 @@ class Controller:
         self._store = store
         self._broker = broker
         self.view = view
-        view.writes_history = self._writes_history
+        view.writes_state = self._writes_state
         self._metrics = metrics
         self._audit = audit
         self._clock = clock
@@ -249,8 +249,8 @@ class Controller:
             TopicName,
             tuple[Layout, Split | Merge, PolicySettings, Mapping[int, LoadSample], int],
         ] = {}
-        # topic -> the leadership token under which we last wrote its history
-        self._history_term: dict[TopicName, int] = {}
+        # topic -> the leadership token under which we last wrote its history or cold-since
+        self._state_term: dict[TopicName, int] = {}
         self._config_generation = 0
         self._shared: dict[tuple[int, ...], PolicySettings | PolicyInvalid] = {}
         self._shared_generation = (-1, -1)
@@ -289,12 +289,12 @@ class Controller:
     def leads(self, topic: TopicName) -> bool:
         return self.leadership_for(topic) is not None
 
-    def _writes_history(self, topic: TopicName) -> bool:
-        """Whether ``topic``'s stored history is ours, written this term: the view then
-        keeps the history we hold (see ``MetadataView.writes_history``). A value from
-        before our term (a predecessor's, or the first load) is applied as ever."""
+    def _writes_state(self, topic: TopicName) -> bool:
+        """Whether ``topic``'s stored history and cold-since keys are ours, written this
+        term: the view then keeps what we hold (see ``MetadataView.writes_state``). A
+        value from before our term (a predecessor's, or the first load) is applied as ever."""
         leadership = self.leadership_for(topic)
-        return leadership is not None and self._history_term.get(topic) == leadership.token
+        return leadership is not None and self._state_term.get(topic) == leadership.token
 
     @property
     def scopes(self) -> Mapping[Scope, Leadership]:
@@ -430,7 +430,7 @@ class Controller:
                     self._attempts,
                     self._awaiting,
                     self._applied,
-                    self._history_term,
+                    self._state_term,
                     self._missed,
                     self._quiet,
                 ):
@@ -605,9 +605,7 @@ class Controller:
         history.forget(s.segment_id for s in after.active_segments())
         body = history.to_json()
         state.history = history if body else None
-        leadership = self.leadership_for(topic)
-        if body != was and leadership is not None:
-            self._history_term[topic] = leadership.token
+        if body != was and self.leads(topic):
             self._write(self._keys.history(topic), orjson.dumps(body) if body else None, state)
 
     def _index(self, topic: TopicName) -> None:
@@ -1297,7 +1295,13 @@ class Controller:
     # -- our own state, written behind and fenced ------------------------------------------
 
     def _write(self, key: str, value: bytes | None, state: TopicState) -> None:
-        """Queue a put (or delete, for None) of our own state, fenced on the topic's scope."""
+        """Queue a put (or delete, for None) of our own state, fenced on the topic's scope.
+
+        From then on, this term, the view ignores the topic's stored history and
+        cold-since: they are our writes coming back, possibly older than what we hold."""
+        leadership = self.leadership_for(state.name)
+        if leadership is not None:
+            self._state_term[state.name] = leadership.token
         self._writes[key] = (value, self.scope_of(state.name))
         if len(self._writes) >= WRITE_BATCH:
             self._write_wake.set()
