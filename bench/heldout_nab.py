@@ -49,7 +49,7 @@ def held_out(nab: Path, shared: Path) -> dict[str, tuple[list[Trace], list[str]]
     return sets
 
 
-def _cell(s: Score) -> str:
+def cell(s: Score) -> str:
     met = s.met
     flag = {k: "" if ok else " ❌" for k, ok in met.items()}
     allowed = Targets().max_flipflop_share * s.base_flipflops
@@ -84,7 +84,7 @@ def main() -> None:
         for v in variants:
             if v.name != BASELINE:
                 print(
-                    f"| {name} | {len(traces)} | `{v.name}` | {_cell(score(rows, v.name, names))} |"
+                    f"| {name} | {len(traces)} | `{v.name}` | {cell(score(rows, v.name, names))} |"
                 )
         for reason in refused:
             print(f"  skipped: {reason}")
