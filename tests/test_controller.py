@@ -14,7 +14,7 @@ import structlog.testing
 
 from controllerd.adapters import store as store_module
 from controllerd.adapters.audit import AuditSink
-from controllerd.adapters.election import Leadership, current_leader
+from controllerd.adapters.election import Leadership, current_leader, lead
 from controllerd.adapters.store import KeyValue, Store, open_store
 from controllerd.core.layout import initial_layout, prune
 from controllerd.core.model import Decision, PolicySettings, TopicName, layout_from_json
@@ -25,6 +25,7 @@ from tests.support.broker import layout_json
 from tests.support.etcd import EtcdServer
 from tests.support.harness import TOPIC, Harness, eventually, make_config, open_harness
 from tests.support.populate import load_record, populate, topic_names
+from tests.support.proxy import serve_proxy
 
 HOT = 30_000.0  # 3x the default split threshold
 COLD = 10.0
@@ -580,6 +581,56 @@ async def test_cold_since_of_a_record_without_time_stamps_is_persisted(
         assert h.controller.view.writes_state(TOPIC)
         h.controller.view.apply_put(h.keys.cold_since(TOPIC, 0), kv, 1, h.clock.now_ms())
         assert 0 not in state.cold_since
+
+
+class HeldWrites(Controller):
+    """Holds its first write-behind batch until the test opens the gate."""
+
+    gate: anyio.Event
+    held: anyio.Event
+
+    async def _fenced_write(self, leadership: Leadership, ops: list[Any]) -> bool:
+        if not self.held.is_set():
+            self.held.set()
+            await self.gate.wait()
+        return await super()._fenced_write(leadership, ops)
+
+
+async def test_state_written_behind_is_written_again_after_etcd_refused_it(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store
+) -> None:
+    """A cold-since batch etcd does not take (an outage longer than the store's retries,
+    shorter than the lease) is queued again, not dropped: a successor would otherwise
+    start the segment's merge window afresh. The controller reaches etcd through a
+    proxy the test cuts; its lease is kept on the test's own connection."""
+    HeldWrites.gate, HeldWrites.held = anyio.Event(), anyio.Event()
+    cfg = make_config(etcd_prefix, "")
+    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
+    async with (
+        serve_proxy(etcd_server.endpoint) as proxy,
+        open_store([proxy.endpoint], timeout=0.5, retry_for=0.5) as through,
+        lead(store, keys.leader, {"replica": "test-1"}, ttl=30) as leadership,
+        open_harness(
+            proxy.endpoint,
+            etcd_prefix,
+            store=through,
+            leadership=leadership,
+            controller_class=HeldWrites,
+        ) as h,
+    ):
+        await h.add_topic(segments=2)
+        start = h.clock.now_ms()
+        record = b'{"msgRateIn": 5.0, "bytesRateIn": 1.0, "msgRateOut": 0.0, "bytesRateOut": 0.0}'
+        await store.put(h.keys.load(TOPIC, 0), record)
+        await HeldWrites.held.wait()
+        await proxy.set_mode("refuse")
+        HeldWrites.gate.set()
+        failures = "controllerd_state_write_failures_total"
+        await eventually(lambda: (h.metrics.registry.get_sample_value(failures) or 0) >= 1)
+        assert await store.get(h.keys.cold_since(TOPIC, 0)) is None
+        await proxy.set_mode("pass")
+        kv = await _eventually_stored(store, h.keys.cold_since(TOPIC, 0))
+        assert int(kv) == start
 
 
 async def test_a_flip_flop_is_remembered_in_etcd_for_the_next_leader(

@@ -1315,7 +1315,11 @@ class Controller:
 
     async def flush_writes(self) -> None:
         """Write every queued value, in fenced transactions per scope; drop what we no
-        longer lead (the new leader derives it again)."""
+        longer lead (the new leader derives it again).
+
+        A batch etcd did not take (an outage longer than the store's retries) is
+        queued again, except keys given a newer value meanwhile: dropped, a successor
+        would read older history and cold-since than the leader held."""
         if not self._writes:
             return
         pending, self._writes = self._writes, {}
@@ -1329,10 +1333,15 @@ class Controller:
             if leadership is None or not leadership.is_leader():
                 continue
             for start in range(0, len(ops), WRITE_BATCH):
+                batch = ops[start : start + WRITE_BATCH]
                 try:
-                    await self._fenced_write(leadership, ops[start : start + WRITE_BATCH])
+                    await self._fenced_write(leadership, batch)
                 except StoreError as exc:
-                    log.warning("state.write_failed", ops=len(ops), error=str(exc))
+                    self._metrics.state_write_failures.inc()
+                    for op in batch:
+                        value = op.value if isinstance(op, Put) else None
+                        self._writes.setdefault(op.key, (value, scope))
+                    log.warning("state.write_failed", ops=len(batch), error=str(exc), retry=True)
 
     async def _fenced_write(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
         """Apply ``ops`` only while ``leadership`` holds (idempotent puts/deletes)."""

@@ -201,6 +201,12 @@ class Metrics:
             "Times the etcd watch was re-established after an error.",
             registry=r,
         )
+        self.state_write_failures: Final = Counter(
+            "controllerd_state_write_failures_total",
+            "Batches of the leader's own state (history, cold-since) etcd did not take; "
+            "their values are written again at the next flush.",
+            registry=r,
+        )
 
         # --- garbage collection ------------------------------------------
         self.gc_pruned_segments: Final = Counter(
