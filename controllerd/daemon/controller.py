@@ -1318,8 +1318,11 @@ class Controller:
         longer lead (the new leader derives it again).
 
         A batch etcd did not take (an outage longer than the store's retries) is
-        queued again, except keys given a newer value meanwhile: dropped, a successor
-        would read older history and cold-since than the leader held."""
+        queued again, with every batch after it, except keys given a newer value
+        meanwhile: dropped, a successor would read older history and cold-since than
+        the leader held. The flush stops at that first failure, so an outage costs
+        one round of the store's retries per flush, not one per batch (cold Pulsar
+        records queue a write per segment at start)."""
         if not self._writes:
             return
         pending, self._writes = self._writes, {}
@@ -1328,20 +1331,24 @@ class Controller:
             by_scope.setdefault(scope, []).append(
                 Put(key, value) if value is not None else Delete(key)
             )
+        failed = False
         for scope, ops in by_scope.items():
             leadership = self._scopes.get(scope)
             if leadership is None or not leadership.is_leader():
                 continue
             for start in range(0, len(ops), WRITE_BATCH):
                 batch = ops[start : start + WRITE_BATCH]
-                try:
-                    await self._fenced_write(leadership, batch)
-                except StoreError as exc:
-                    self._metrics.state_write_failures.inc()
-                    for op in batch:
-                        value = op.value if isinstance(op, Put) else None
-                        self._writes.setdefault(op.key, (value, scope))
-                    log.warning("state.write_failed", ops=len(batch), error=str(exc), retry=True)
+                if not failed:
+                    try:
+                        await self._fenced_write(leadership, batch)
+                        continue
+                    except StoreError as exc:
+                        failed = True
+                        self._metrics.state_write_failures.inc()
+                        log.warning("state.write_failed", ops=len(batch), error=str(exc))
+                for op in batch:
+                    value = op.value if isinstance(op, Put) else None
+                    self._writes.setdefault(op.key, (value, scope))
 
     async def _fenced_write(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
         """Apply ``ops`` only while ``leadership`` holds (idempotent puts/deletes)."""

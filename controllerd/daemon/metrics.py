@@ -203,8 +203,8 @@ class Metrics:
         )
         self.state_write_failures: Final = Counter(
             "controllerd_state_write_failures_total",
-            "Batches of the leader's own state (history, cold-since) etcd did not take; "
-            "their values are written again at the next flush.",
+            "Flushes of the leader's own state (history, cold-since) that etcd refused; "
+            "what was not written is written again at the next flush.",
             registry=r,
         )
 
