@@ -1347,8 +1347,7 @@ class Controller:
                         self._metrics.state_write_failures.inc()
                         log.warning("state.write_failed", ops=len(batch), error=str(exc))
                 for op in batch:
-                    value = op.value if isinstance(op, Put) else None
-                    self._writes.setdefault(op.key, (value, scope))
+                    self._writes.setdefault(op.key, pending[op.key])
 
     async def _fenced_write(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
         """Apply ``ops`` only while ``leadership`` holds (idempotent puts/deletes)."""
