@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime as dt
 import itertools
 import time
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ from bench.heldout_nab import cell
 from controllerd.pipeline import engines
 from controllerd.pipeline.load import Trace
 from controllerd.pipeline.report import BASELINE
-from controllerd.pipeline.traces import TraceError, TraceOptions, series_trace
+from controllerd.pipeline.traces import TraceError, TraceOptions, parse_time, series_trace
 from controllerd.pipeline.tune import score
 from controllerd.pipeline.variants import Variant, controllerd, load_variants, pip483
 
@@ -51,10 +50,6 @@ MS_LOAD_FOLDERS = (
     "consumer-purchase-rate",
 )
 MINUTE_MS = 60_000
-
-
-def _utc_ms(text: str, fmt: str) -> int:
-    return int(dt.datetime.strptime(text, fmt).replace(tzinfo=dt.UTC).timestamp() * 1000)
 
 
 def _trace(name: str, t_ms: Sequence[int], values: Sequence[float]) -> Trace:
@@ -71,7 +66,7 @@ def ms_cloud(root: Path) -> dict[str, tuple[list[Trace], list[str]]]:
             with path.open(newline="", encoding="utf-8") as fh:
                 rows = list(csv.DictReader(fh))
             try:
-                stamps = [_utc_ms(r["TimeStamp"].rstrip("Z"), "%Y-%m-%dT%H:%M:%S") for r in rows]
+                stamps = [parse_time(r["TimeStamp"]) for r in rows]
                 step = min(b - a for a, b in itertools.pairwise(stamps) if b > a)
                 t_ms = [stamps[0] + i * step for i in range(len(rows))]
                 traces.append(_trace(path.stem, t_ms, [float(r["Value"]) for r in rows]))
@@ -86,14 +81,11 @@ def worldcup(root: Path) -> dict[str, tuple[list[Trace], list[str]]]:
     counts: dict[int, float] = {}
     with (root / "invocation_count.csv").open(newline="", encoding="utf-8") as fh:
         for row in csv.DictReader(fh):
-            counts[_utc_ms(row["period"], "%Y-%m-%d %H:%M:%S")] = float(row["count"])
+            counts[parse_time(row["period"])] = float(row["count"])
     traces = []
     for month in (5, 6, 7):
-        start = _utc_ms(f"1998-{month:02d}-01 00:00:00", "%Y-%m-%d %H:%M:%S")
-        end = min(
-            _utc_ms(f"1998-{month + 1:02d}-01 00:00:00", "%Y-%m-%d %H:%M:%S"),
-            max(counts) + MINUTE_MS,
-        )
+        start = parse_time(f"1998-{month:02d}-01 00:00:00")
+        end = min(parse_time(f"1998-{month + 1:02d}-01 00:00:00"), max(counts) + MINUTE_MS)
         t_ms = list(range(start, end, MINUTE_MS))
         traces.append(_trace(f"wc98-{month:02d}", t_ms, [counts.get(t, 0.0) for t in t_ms]))
     return {"worldcup98": (traces, [])}

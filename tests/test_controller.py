@@ -15,7 +15,7 @@ import structlog.testing
 from controllerd.adapters import store as store_module
 from controllerd.adapters.audit import AuditSink
 from controllerd.adapters.election import Leadership, current_leader, lead
-from controllerd.adapters.store import KeyValue, Store, open_store
+from controllerd.adapters.store import Delete, KeyValue, Put, Store, open_store
 from controllerd.core.layout import initial_layout, prune
 from controllerd.core.model import Decision, PolicySettings, TopicName, layout_from_json
 from controllerd.core.view import Keys, LoadTable, TopicState
@@ -589,7 +589,7 @@ class HeldWrites(Controller):
     gate: anyio.Event
     held: anyio.Event
 
-    async def _fenced_write(self, leadership: Leadership, ops: list[Any]) -> bool:
+    async def _fenced_write(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
         if not self.held.is_set():
             self.held.set()
             await self.gate.wait()

@@ -45,7 +45,7 @@ class TraceOptions:
     reference: Rates = REFERENCE_THRESHOLDS
 
 
-def _parse_time(text: str) -> int:
+def parse_time(text: str) -> int:
     """``YYYY-MM-DD HH:MM:SS`` (or ISO 8601, or epoch seconds) as UTC epoch milliseconds."""
     text = text.strip()
     try:
@@ -75,7 +75,7 @@ def read_series_csv(path: str | Path) -> tuple[list[int], list[float]]:
                     raise TraceError(f"{path}:{lineno}: expected timestamp,value")
                 try:
                     value = float(row[1])
-                    rows.append((_parse_time(row[0]), value))
+                    rows.append((parse_time(row[0]), value))
                 except ValueError as exc:
                     raise TraceError(f"{path}:{lineno}: {exc}") from None
                 if not (math.isfinite(value) and value >= 0):
