@@ -25,7 +25,7 @@ from tests.support.broker import layout_json
 from tests.support.etcd import EtcdServer
 from tests.support.harness import TOPIC, Harness, eventually, make_config, open_harness
 from tests.support.populate import load_record, populate, topic_names
-from tests.support.proxy import serve_proxy
+from tests.support.proxy import TcpProxy, serve_proxy
 
 HOT = 30_000.0  # 3x the default split threshold
 COLD = 10.0
@@ -334,6 +334,82 @@ async def test_gc_delete_failure_keeps_the_marker_and_retries_next_tick(
         assert await h.store.get(marker) is not None  # ... but never orphaned
         await h.controller.gc_round()
         assert await h.store.get(marker) is None
+        assert (TOPIC, parent.descriptor) in h.broker_state.deleted_segments
+
+
+class RefusedMarkerClear(Controller):
+    """Cuts etcd (its proxy) just before each write that clears a pending-delete marker,
+    while ``armed``: the broker has deleted the data, etcd refuses the cleanup."""
+
+    proxy: TcpProxy
+    armed = True
+
+    async def _fenced_write(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
+        markers = self._keys.pending_deletes_prefix
+        if self.armed and any(isinstance(op, Delete) and op.key.startswith(markers) for op in ops):
+            await self.proxy.set_mode("refuse")
+        return await super()._fenced_write(leadership, ops)
+
+
+async def test_etcd_refusing_a_marker_cleanup_is_retried_and_never_stops_the_daemon(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store
+) -> None:
+    """A marker left by a delete whose cleanup etcd refused is retried at the start of
+    every GC round; an etcd outage at that point is logged and retried, not raised (it
+    reached the task group and exited the process)."""
+    cfg = make_config(etcd_prefix, RETENTION)
+    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
+    async with (
+        serve_proxy(etcd_server.endpoint) as proxy,
+        open_store([proxy.endpoint], timeout=0.5, retry_for=0.5) as through,
+        lead(store, keys.leader, {"replica": "test-1"}, ttl=30) as leadership,
+        open_harness(
+            proxy.endpoint,
+            etcd_prefix,
+            extra_config=RETENTION,
+            store=through,
+            leadership=leadership,
+            controller_class=RefusedMarkerClear,
+        ) as h,
+    ):
+        RefusedMarkerClear.proxy, RefusedMarkerClear.armed = proxy, True
+        await _split_topic(h, subscription=False)
+        parent = h.layout().segments[0]
+        marker = h.keys.pending_delete(TOPIC, parent.descriptor)
+        await h.clock.advance(700.0)
+        with structlog.testing.capture_logs() as logs:
+            await h.controller.gc_round()  # pruned and deleted; the cleanup is refused
+            await proxy.set_mode("pass")
+            await h.controller.gc_round()  # the marker is retried, refused again
+            await proxy.set_mode("pass")
+        assert (TOPIC, parent.descriptor) in h.broker_state.deleted_segments
+        assert await store.get(marker) is not None
+        assert [e["event"] for e in logs].count("gc.marker.clear_failed") == 2
+        RefusedMarkerClear.armed = False
+        await h.controller.gc_round()
+        assert await store.get(marker) is None
+
+
+async def test_gc_asks_for_the_backlog_of_a_subscription_whose_value_is_malformed(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A subscription key the view cannot read still names a subscription: GC keeps
+    the segments it has not drained (without it the topic looked subscription-free,
+    which counts as drained), and prunes them once the broker reports it drained."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=RETENTION) as h:
+        await _split_topic(h, subscription=False)
+        parent = h.layout().segments[0]
+        h.broker_state.subscriptions.setdefault(TOPIC, {})["q"] = "STREAM"
+        h.broker_state.backlogs[(TOPIC, parent.descriptor, "q")] = 5
+        await h.store.put(h.keys.subscription(TOPIC, "q"), b'{"type": "KEY_SHARED"}')
+        rejected = "controllerd_metadata_rejected_total"
+        await eventually(lambda: h.count(rejected, kind="subscription") == 1)
+        await h.clock.advance(700.0)
+        await h.controller.gc_round()
+        assert h.requests(f"{parent.descriptor}/subscription/q/backlog") >= 1
+        assert 0 in h.layout().segments and h.broker_state.deleted_segments == set()
+        h.broker_state.backlogs[(TOPIC, parent.descriptor, "q")] = 0
+        await h.controller.gc_round()
         assert (TOPIC, parent.descriptor) in h.broker_state.deleted_segments
 
 

@@ -20,6 +20,7 @@ from controllerd.core.model import (
 )
 from controllerd.core.policy import TopicHistory
 from controllerd.core.view import (
+    UNKNOWN_TYPE,
     Change,
     Cooldown,
     Keys,
@@ -113,6 +114,23 @@ def test_malformed_values_are_rejected_not_raised() -> None:
     # keys that are not ours or do not parse are ignored
     assert view.apply_put("/pulsar/topics/onlytwo/parts", b"{}", 26, NOW) is None
     assert view.apply_put("/elsewhere/x", b"{}", 27, NOW) is None
+
+
+def test_a_subscription_whose_value_is_malformed_stays_known() -> None:
+    """GC asks the broker for the backlog of every subscription the view knows; one
+    whose value cannot be read must not vanish (a topic without subscriptions counts
+    as drained). A later good value replaces the unknown type; a bad one keeps the last
+    good type."""
+    view = fresh()
+    assert isinstance(view.apply_put(KEYS.subscription(T, "s"), b"{nope", 40, NOW), Rejected)
+    assert view.topics[T].subscriptions == {"s": UNKNOWN_TYPE}
+    view.apply_put(KEYS.subscription(T, "s"), b'{"type": "QUEUE"}', 41, NOW)
+    bad = view.apply_put(KEYS.subscription(T, "s"), b'{"type": "KEY_SHARED"}', 42, NOW)
+    assert isinstance(bad, Rejected)
+    assert view.topics[T].subscriptions == {"s": "QUEUE"}
+    assert KEYS.subscription(T, "s") in view.keys_held(KEYS.topics_prefix)
+    view.apply_delete(KEYS.subscription(T, "s"))
+    assert view.topics[T].subscriptions == {}
 
 
 def test_malformed_or_invalid_layout_disables_the_topic_until_fixed() -> None:

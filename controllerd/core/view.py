@@ -93,6 +93,9 @@ KEY_KINDS: Final = (
 
 #: Longest reason kept in a Rejected (a reason can quote the value).
 REASON_LIMIT: Final = 300
+#: The type of a subscription whose value the view could not read (a rejection): kept
+#: so GC still asks for its backlog; its consumers count as a stream's.
+UNKNOWN_TYPE: Final = "UNKNOWN"
 #: Largest integer accepted for a time stamp or id (Java's long, as Pulsar writes them).
 _LONG_MAX: Final = 2**63 - 1
 _DESCRIPTOR: Final = re.compile(r"[0-9a-f]{4}-[0-9a-f]{4}-\d{1,19}")
@@ -698,6 +701,8 @@ class MetadataView:
                 self._drop_layout(key, _reason(exc))
             elif kind == "load":
                 self._drop_load(key)
+            elif kind == "subscription":
+                self._keep_subscription(key)
             elif kind == "cooldown":
                 self._drop_controller_value(key)
             return Rejected(key, kind, _reason(exc))
@@ -756,6 +761,14 @@ class MetadataView:
         if parsed is not None and not parsed[1]:
             state = self.topic(parsed[0])
             state.layout, state.layout_error = None, error
+
+    def _keep_subscription(self, key: str) -> None:
+        """A subscription whose value cannot be read still exists: GC must keep asking
+        the broker for its backlog (an unknown subscription would make a segment look
+        drained). Its last readable type stays; a new one's is :data:`UNKNOWN_TYPE`."""
+        parsed = self._split_metadata(key)
+        if parsed is not None and len(parsed[1]) == 2:
+            self.topic(parsed[0]).subscriptions.setdefault(parsed[1][1], UNKNOWN_TYPE)
 
     def _drop_load(self, key: str) -> None:
         parsed = self._split_metadata(key)

@@ -1410,7 +1410,8 @@ class Controller:
         verdicts: dict[int, gc.Verdict] = {}
         for seg in gc.candidates(layout, now, retention):
             backlogs: dict[str, int | None] = {}
-            for sub in sorted(state.subscriptions):
+            # A consumer's subscription counts even before (or without) its own key.
+            for sub in sorted(state.subscriptions.keys() | state.consumers.keys()):
                 try:
                     backlogs[sub] = await self._broker.backlog(topic, seg.descriptor, sub)
                 except BrokerError as exc:
@@ -1520,14 +1521,25 @@ class Controller:
             )
             return
         self._metrics.operations.labels(op="delete_segment", outcome="ok").inc()
-        await self._fenced_write(
-            leadership,
-            [
-                Delete(self._keys.load(topic, segment_id)),
-                Delete(self._keys.cold_since(topic, segment_id)),
-                Delete(self._keys.pending_delete(topic, descriptor)),
-            ],
-        )
+        try:
+            await self._fenced_write(
+                leadership,
+                [
+                    Delete(self._keys.load(topic, segment_id)),
+                    Delete(self._keys.cold_since(topic, segment_id)),
+                    Delete(self._keys.pending_delete(topic, descriptor)),
+                ],
+            )
+        except StoreError as exc:
+            # The data is gone; the marker stays, and the next tick deletes again (a
+            # delete of a missing segment succeeds) and then clears it.
+            log.warning(
+                "gc.marker.clear_failed",
+                topic=str(topic),
+                descriptor=descriptor,
+                error=str(exc),
+                retry="next gc tick",
+            )
         self._metrics.gc_deleted_segments.inc()
         log.info("gc.deleted", topic=str(topic), descriptor=descriptor, existed=existed)
 
