@@ -1381,10 +1381,16 @@ class Controller:
                 await self._finish_delete(
                     leadership, marker.topic, marker.descriptor, marker.segment_id
                 )
-        mark = self._pacer.now()
+        # Charged per topic, at most one burst each: a topic's wait for the broker and
+        # etcd held no loop (billed as loop time, it parked GC and the feeder for as long
+        # again as the calls took).
+        spent = 0.0
         for i, topic in enumerate(self._topics_in(self._scopes)):
             if i % SLICE == SLICE - 1:
-                mark = await self._pacer.pause(mark)
+                self._pacer.charge(spent)
+                spent = 0.0
+                await self._pacer.turn()
+            started = self._pacer.now()
             leadership = self.leadership_for(topic)
             state = self.view.topics.get(topic)
             if leadership is None or state is None or state.layout is None:
@@ -1393,6 +1399,7 @@ class Controller:
                 await self._gc_topic(state, leadership)
             except (StoreError, ValueError, TypeError) as exc:
                 log.warning("gc.topic.failed", topic=str(topic), error=str(exc))
+            spent += min(self._pacer.now() - started, self._pacer.burst)
 
     async def _gc_ticker(self) -> None:
         while True:
