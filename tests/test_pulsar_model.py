@@ -476,6 +476,22 @@ async def test_pulsar_autoscaler_acts_only_when_switched_on(model: PulsarModel) 
     assert layout is not None and len(layout.active_segments()) == 2
 
 
+async def test_pulsar_autoscalers_split_cooldown_holds_every_split_of_the_topic(
+    model: PulsarModel, clock: Clock
+) -> None:
+    """EV483:98-103 (compat 4.2): inside the split cooldown PIP-483 splits no segment of
+    the topic, not only the last split's children (controllerd's range_split_cooldown,
+    which the model's evaluator must leave off)."""
+    await model.create_topic(TOPIC, 2)
+    await model.set_auto_scale_policy(TOPIC, {"enabled": True})
+    clock.now += 3_600_000  # segment 1 is an hour old: no split made it
+    assert await model.report_load(TOPIC, 0, msg_rate_in=20_000.0)
+    assert isinstance(await model.autoscale_once(TOPIC), Split)
+    assert await model.report_load(TOPIC, 1, msg_rate_in=20_000.0)
+    held = await model.autoscale_once(TOPIC)
+    assert isinstance(held, NoAction) and held.reason == "split-cooldown"
+
+
 async def test_pulsar_autoscaler_follows_consumer_registrations(model: PulsarModel) -> None:
     await model.create_topic(TOPIC)
     await model.set_auto_scale_policy(TOPIC, {"enabled": True, "splitCooldownSeconds": 0})
