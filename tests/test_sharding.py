@@ -16,13 +16,17 @@ from pathlib import Path
 
 import anyio
 import pytest
+import structlog
 
-from controllerd.adapters.store import Store
+from controllerd.adapters.election import Leadership
+from controllerd.adapters.membership import MOVE_CONCURRENCY, ShardMembership
+from controllerd.adapters.store import Store, open_store
 from controllerd.core.model import TopicName
 from controllerd.core.shards import assignment, shard_of
 from tests.support.cluster import Cluster, open_cluster
 from tests.support.daemon import Replica, wait_until
 from tests.support.etcd import EtcdServer
+from tests.support.harness import eventually
 
 SHARDS = 16
 TTL = 2
@@ -186,3 +190,39 @@ async def test_a_paused_replica_cannot_act_after_it_resumes(cluster: Cluster) ->
         layout = cluster.broker.topics[topic]
         assert len(layout.active_segments()) == 3
         assert sum(1 for seg in layout.segments.values() if not seg.active) == 1
+
+
+async def test_etcd_paused_during_claims_is_retried_and_the_shards_owned_after(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Claims that fail while etcd is paused end in a rejoin after a backoff.
+
+    A failed claim used to be raised inside the task group of ``_serve``: it left
+    ``run()`` as an ExceptionGroup, which the runtime turns into an exit (70).
+    Twice MOVE_CONCURRENCY shards: claims past the first batch are sent after the
+    pause, so some are in flight whatever etcd answered before it.
+    """
+    shards = 2 * MOVE_CONCURRENCY
+    outage = anyio.Event()
+
+    def grant(shard: int, leadership: Leadership) -> None:
+        if not outage.is_set():  # the first claim landed: freeze etcd under the rest
+            outage.set()
+            etcd_server.pause()
+
+    async with open_store([etcd_server.endpoint], timeout=0.3, retry_for=0.5) as store:
+        membership = ShardMembership(
+            store, f"{etcd_prefix}c", "r1", {}, shards, ttl=5, grant=grant, revoke=lambda _: None
+        )
+        with structlog.testing.capture_logs() as logs:
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(membership.run)
+                    await eventually(lambda: any(e["event"] == "membership.failed" for e in logs))
+                    etcd_server.resume()
+                    await eventually(lambda: len(membership.owned) == shards, within=30)
+                    tg.cancel_scope.cancel()
+            finally:
+                etcd_server.resume()
+    failures = [e["error"] for e in logs if e["event"] == "membership.failed"]
+    assert failures[0].startswith("KV.Txn"), failures  # a claim, not the rejoin, failed first

@@ -44,7 +44,6 @@ from controllerd.adapters.store import (
     Put,
     Store,
     StoreError,
-    StoreUnavailable,
     WatchCompacted,
     WatchEvent,
 )
@@ -159,16 +158,23 @@ class ShardMembership:
         self._holders = {}
         for kv in holders:
             self._note_holder(kv)
+        failed: StoreError | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._follow, self._members_prefix, members_rev + 1, self._on_member)
             tg.start_soon(self._follow, self._shards_prefix, holders_rev + 1, self._on_shard)
             tg.start_soon(_cancel_on, lease.expired, tg.cancel_scope)
             while lease.alive():
-                await self._rebalance(lease)
+                failed = await self._rebalance(lease)
+                if failed is not None:
+                    break
                 with anyio.move_on_after(self._ttl):  # a safety net beside the watches
                     await self._dirty.wait()
                 self._dirty = anyio.Event()
             tg.cancel_scope.cancel()
+        if failed is not None:
+            # Raised here, not in the group's body: there it would leave as an
+            # ExceptionGroup that run() does not catch, and end the process.
+            raise failed
         log.warning("membership.lease_lost", replica=self.replica, reason=lease.reason)
 
     def _note_holder(self, kv: KeyValue) -> None:
@@ -196,10 +202,25 @@ class ShardMembership:
             self._lose(shard, "key-deleted" if event.kind == "delete" else "key-replaced")
 
     async def _follow(self, prefix: str, start: int, apply: Callable[[WatchEvent], None]) -> None:
-        """Apply every change under ``prefix``; a compaction re-reads it whole."""
+        """Apply every change under ``prefix``; a compaction re-reads it whole.
+
+        Retries every :class:`StoreError`, the re-read's too: one escaping would end
+        the task group of :meth:`_serve` as an ExceptionGroup, and the process.
+        """
         revision = start
+        compacted = False
         while True:
             try:
+                if compacted:
+                    kvs, rev = await self._store.get_prefix(prefix)
+                    if prefix == self._members_prefix:
+                        self.members = {kv.key[len(prefix) :] for kv in kvs}
+                    else:
+                        self._holders = {}
+                        for kv in kvs:
+                            self._note_holder(kv)
+                    revision, compacted = rev + 1, False
+                    self._dirty.set()
                 async with aclosing(self._store.watch_prefix(prefix, revision)) as watch:
                     async for batch in watch:
                         for event in batch:
@@ -207,21 +228,17 @@ class ShardMembership:
                         revision = batch[-1].mod_revision + 1
                         self._dirty.set()
             except WatchCompacted:
-                kvs, rev = await self._store.get_prefix(prefix)
-                if prefix == self._members_prefix:
-                    self.members = {kv.key[len(prefix) :] for kv in kvs}
-                else:
-                    self._holders = {}
-                    for kv in kvs:
-                        self._note_holder(kv)
-                revision = rev + 1
-                self._dirty.set()
-            except StoreUnavailable as exc:
+                compacted = True
+            except StoreError as exc:
                 log.debug("membership.watch_failed", prefix=prefix, error=str(exc))
                 await anyio.sleep(backoff.ETCD.delay(3))
 
-    async def _rebalance(self, lease: _Lease) -> None:
-        """Release what is no longer ours, then claim what is (once its key is free)."""
+    async def _rebalance(self, lease: _Lease) -> StoreError | None:
+        """Release what is no longer ours, then claim what is (once its key is free).
+
+        Returns the first failed claim's error rather than raising it, for
+        :meth:`_serve` to raise outside its task group.
+        """
         self.rebalances += 1
         live = self.members | {self.replica}
         mine = {s for s, owner in assignment(self.shards, live).items() if owner == self.replica}
@@ -242,8 +259,8 @@ class ShardMembership:
         async with anyio.create_task_group() as tg:
             for shard in claimable:
                 tg.start_soon(self._claim_limited, shard, lease, limiter, failed)
-        if failed:
-            raise failed[0]  # as one claim at a time would: rejoin after a backoff
+        # as one claim at a time would: rejoin after a backoff
+        return failed[0] if failed else None
 
     async def _release(self, shard: int, token: int, limiter: anyio.CapacityLimiter) -> None:
         async with limiter:
