@@ -499,6 +499,80 @@ async def test_the_gc_tick_prunes_without_being_called(
         await eventually(lambda: (TOPIC, "0000-ffff-0") in h.broker_state.deleted_segments)
 
 
+async def _own_keys(h: Harness, topic: TopicName) -> list[str]:
+    """The keys of ``topic`` under our root: cooldown, history, cold-since."""
+    found = []
+    for key in (h.keys.cooldown(topic), h.keys.history(topic)):
+        if await h.store.get(key) is not None:
+            found.append(key)
+    kvs, _ = await h.store.get_prefix(h.keys.cold_since_prefix(topic))
+    return found + [kv.key for kv in kvs]
+
+
+async def _put_own_keys(h: Harness, topic: TopicName, cold_since_ms: int) -> None:
+    """What a leader keeps for a topic: a cooldown stamp, a history, a cold-since."""
+    await h.store.put(h.keys.cooldown(topic), b'{"lastSplitAtMs": 1, "lastMergeAtMs": -1}')
+    await h.store.put(h.keys.history(topic), b"{}")
+    await h.store.put(h.keys.cold_since(topic, 0), str(cold_since_ms).encode())
+
+
+async def test_a_deleted_topics_own_keys_go_so_a_topic_created_again_starts_clean(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A topic created again under a deleted one's name starts its segment ids at 0: a
+    cold-since left behind would date its new segment 0 from a week ago (a merge at
+    once), a history would lengthen its merge windows. The leader deletes them."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        await h.add_topic(segments=2)
+        await _put_own_keys(h, TOPIC, h.clock.now_ms() - 7 * 86_400_000)
+        await eventually(
+            lambda: (
+                TOPIC in h.controller.view.topics
+                and bool(h.controller.view.topics[TOPIC].cold_since)
+            )
+        )
+        await h.store.delete(h.keys.layout(TOPIC))
+        await eventually(lambda: TOPIC not in h.controller.view.topics)
+        await h.controller.flush_writes()
+        assert await _own_keys(h, TOPIC) == []
+        await h.add_topic(segments=2)
+        await eventually(lambda: h.view_layout() is not None)
+        assert h.controller.view.topics[TOPIC].cold_since == {}
+
+
+async def test_own_keys_of_a_topic_deleted_while_no_one_led_go_once_a_leader_loads(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store
+) -> None:
+    """Keys of ours whose topic has no layout (deleted while no replica led): the first
+    load finds them, and the leader deletes them."""
+    gone = TopicName("acme", "ns", "gone")
+    cfg = make_config(etcd_prefix)
+    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
+    await store.put(keys.cooldown(gone), b'{"lastSplitAtMs": 1, "lastMergeAtMs": -1}')
+    await store.put(keys.cold_since(gone, 0), b"1")
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        assert gone not in h.controller.view.topics
+        await h.controller.flush_writes()
+        assert await _own_keys(h, gone) == []
+
+
+async def test_own_keys_of_a_topic_without_a_layout_go_at_the_next_gc_round(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A key of ours written for a topic with no layout while we run (a predecessor's
+    late write after the topic's deletion) holds a topic state of its own, counted in
+    /status and the topics gauge. The GC round deletes it, and the state goes with it."""
+    gone = TopicName("acme", "ns", "gone")
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=RETENTION) as h:
+        await h.store.put(h.keys.cooldown(gone), b'{"lastSplitAtMs": 1, "lastMergeAtMs": -1}')
+        await eventually(lambda: gone in h.controller.view.topics)
+        await h.controller.gc_round()
+        await h.controller.flush_writes()
+        assert await _own_keys(h, gone) == []
+        await eventually(lambda: gone not in h.controller.view.topics)
+        assert h.count("controllerd_topics") == len(h.controller.view.topics)
+
+
 # --- follow-up, cold-since, audit ---------------------------------------------------------
 
 

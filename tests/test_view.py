@@ -133,6 +133,24 @@ def test_a_subscription_whose_value_is_malformed_stays_known() -> None:
     assert view.topics[T].subscriptions == {}
 
 
+def test_a_cold_since_older_than_its_unchanged_topic_is_a_deleted_topics_and_ignored() -> None:
+    """A topic deleted while no controllerd ran leaves its cold-since keys; created again
+    under the name, its segment ids start at 0 again. In a layout no split or merge has
+    changed no segment inherited a cold-since, so one older than its segment is that
+    leftover (kept, it would merge the new segment at once), whichever key loads first."""
+    week_ago = NOW - 7 * 86_400_000
+    layout = json.dumps(layout_to_json(initial_layout(2, now_ms=NOW))).encode()
+    view = fresh()
+    view.apply_put(KEYS.cold_since(T, 0), str(week_ago).encode(), 50, NOW)
+    view.apply_put(KEYS.cold_since(T, 1), str(NOW + 5).encode(), 51, NOW)
+    view.apply_put(KEYS.layout(T), layout, 52, NOW)
+    assert view.topics[T].cold_since == {1: NOW + 5}
+    view.apply_put(KEYS.cold_since(T, 0), str(week_ago).encode(), 53, NOW)
+    assert view.topics[T].cold_since == {1: NOW + 5}
+    view.apply_put(KEYS.cold_since(T, 0), str(NOW).encode(), 54, NOW)
+    assert view.topics[T].cold_since == {0: NOW, 1: NOW + 5}
+
+
 def test_malformed_or_invalid_layout_disables_the_topic_until_fixed() -> None:
     view = fresh()
     out = view.apply_put(KEYS.layout(T), b"{not json", 30, NOW)

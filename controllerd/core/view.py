@@ -148,7 +148,11 @@ class Keys:
         return f"{self.controller_root}/policies/{tenant}{suffix}"
 
     def cold_since(self, topic: TopicName, segment_id: int) -> str:
-        return f"{self.controller_root}/cold-since/{key_path(topic)}/{segment_id}"
+        return f"{self.cold_since_prefix(topic)}{segment_id}"
+
+    def cold_since_prefix(self, topic: TopicName) -> str:
+        """Every cold-since key of ``topic`` starts with this (and no other topic's)."""
+        return f"{self.controller_root}/cold-since/{key_path(topic)}/"
 
     def history(self, topic: TopicName) -> str:
         """The topic's :class:`~controllerd.core.policy.TopicHistory` (flip-flops, peaks)."""
@@ -513,6 +517,31 @@ Keys stay bytes, so a load record of a key seen before is applied without decodi
 _TAILS_MAX: Final = 65_536
 
 
+def orphaned(state: TopicState) -> bool:
+    """Whether only controllerd's own keys hold ``state``: no layout (nor a malformed
+    one) and nothing the broker wrote. Our keys outlived the topic."""
+    return (
+        state.layout is None
+        and state.layout_error is None
+        and not state.subscriptions
+        and not state.consumers
+        and not state.loads
+    )
+
+
+def _predates(layout: Layout, segment_id: int, cold_since_ms: int) -> bool:
+    """Whether a cold-since predates its segment in a layout no split or merge has
+    changed (epoch 0: no segment inherited one): a deleted topic's, left behind, now
+    naming a segment of a topic created again under the name."""
+    seg = layout.segments.get(segment_id)
+    return layout.epoch == 0 and seg is not None and cold_since_ms < seg.created_at_ms
+
+
+def has_own_state(state: TopicState) -> bool:
+    """Whether etcd holds any of controllerd's own keys for the topic."""
+    return state.cooldown is not None or state.history is not None or bool(state.cold_since)
+
+
 def parse_json(value: bytes) -> Any:
     """JSON from etcd bytes: orjson rejects non-UTF-8, depth > 1024 and numbers that
     overflow a double or a 64-bit integer, all as ValueError (never RecursionError)."""
@@ -809,6 +838,8 @@ class MetadataView:
                     state.loads.remove(sid)
                 for sid in [s for s in state.cold_since if s not in layout.segments]:
                     del state.cold_since[sid]
+                for sid in [s for s, at in state.cold_since.items() if _predates(layout, s, at)]:
+                    del state.cold_since[sid]
                 return Change("layout", name, True)
             case ["subscriptions", sub]:
                 raw = parse_json(value) if value.strip() else {}
@@ -880,8 +911,11 @@ class MetadataView:
                 since = _long(parse_json(value), "cold-since")
                 if since < 0:
                     raise ModelError(f"cold-since: must be >= 0, got {since}")
-                if not self.writes_state(name):
-                    self.topic(name).cold_since[_segment_id(sid)] = since
+                state = self.topic(name)
+                segment_id = _segment_id(sid)
+                stale = state.layout is not None and _predates(state.layout, segment_id, since)
+                if not self.writes_state(name) and not stale:
+                    state.cold_since[segment_id] = since
                 return Change("cold", name, False)
             case ["history", t, n, topic]:
                 name = topic_from_key(t, n, topic)
@@ -916,24 +950,36 @@ class MetadataView:
                 self.overrides_generation += 1
                 return Change("policy", None, True)
             case ["cooldowns", t, n, topic]:
-                state = self.topics.get(topic_from_key(t, n, topic))
+                name = topic_from_key(t, n, topic)
+                state = self.topics.get(name)
                 if state is not None:
                     state.cooldown = None
-                return Change("cooldown", topic_from_key(t, n, topic), False)
+                return self._unless_gone(state, Change("cooldown", name, False))
             case ["cold-since", t, n, topic, sid]:
-                state = self.topics.get(topic_from_key(t, n, topic))
-                if state is not None and not self.writes_state(state.name):
+                name = topic_from_key(t, n, topic)
+                state = self.topics.get(name)
+                if state is not None and not self.writes_state(name):
                     state.cold_since.pop(_segment_id(sid), None)
-                return Change("cold", topic_from_key(t, n, topic), False)
+                return self._unless_gone(state, Change("cold", name, False))
             case ["history", t, n, topic]:
-                state = self.topics.get(topic_from_key(t, n, topic))
-                if state is not None and not self.writes_state(state.name):
+                name = topic_from_key(t, n, topic)
+                state = self.topics.get(name)
+                if state is not None and not self.writes_state(name):
                     state.history = None
-                return Change("history", topic_from_key(t, n, topic), False)
+                return self._unless_gone(state, Change("history", name, False))
             case ["pending-deletes", *_]:
                 marker = self.pending_deletes.pop(key, None)
                 return Change("pending-delete", marker.topic if marker else None, False)
         return None
+
+    def _unless_gone(self, state: TopicState | None, change: Change) -> Outcome:
+        """``change``, or the topic's deletion once nothing of it is left: a topic held
+        only by our keys (its layout deleted while no one led it) goes with them."""
+        if state is None or not orphaned(state) or has_own_state(state):
+            return change
+        del self.topics[state.name]
+        state.dropped = True
+        return Change("layout", state.name, False)
 
     # -- Pulsar's namespace policies --------------------------------------------------------
 

@@ -104,6 +104,8 @@ from controllerd.core.view import (
     Peek,
     Rejected,
     TopicState,
+    has_own_state,
+    orphaned,
     parse_json,
     parse_pending_delete,
 )
@@ -257,6 +259,11 @@ class Controller:
         self._config_seen: Config | None = None
         # our own state, written behind in fenced batches: key -> (value or None, scope)
         self._writes: dict[str, tuple[bytes | None, Scope]] = {}
+        # topics gone from etcd whose keys of ours the writer deletes: topic -> scope
+        self._forgotten: dict[TopicName, Scope] = {}
+        # topics only our keys named at the first load (deleted while no one led): their
+        # keys go once we lead them
+        self._orphans: set[TopicName] = set()
         self._write_wake = anyio.Event()
         self._running = False
         # While the first load runs: the topics whose keys are all in the view, the
@@ -318,6 +325,8 @@ class Controller:
         for topic in newly:
             if self.leads(topic):
                 self._first_evaluation(topic, urgent=False)
+        if self._whole is None:
+            self._forget_orphans()
 
     def _first_evaluation(self, topic: TopicName, *, urgent: bool) -> None:
         """Queue a led topic's first evaluation of this term, counted in /status until done."""
@@ -346,6 +355,7 @@ class Controller:
         self._scopes[scope] = leadership
         self._granted.add(scope)
         self._scan.set()
+        self._forget_orphans()
         self._metrics.shards_owned.set(sum(1 for s in self._scopes if s is not None))
 
     def revoke(self, scope: Scope) -> None:
@@ -437,6 +447,7 @@ class Controller:
                     memory.pop(outcome.topic, None)
                 self._unaddressable.discard(outcome.topic)
                 self._first_pass.discard(outcome.topic)
+                self._forget(outcome.topic)
             self._metrics.topics.set(len(self.view.topics))
         if outcome.kind == "policy":
             self._config_generation += 1  # every topic's resolved policy is stale
@@ -1306,6 +1317,28 @@ class Controller:
         if len(self._writes) >= WRITE_BATCH:
             self._write_wake.set()
 
+    def _forget(self, topic: TopicName) -> None:
+        """Queue deleting our keys of a topic that is gone (cooldown, history,
+        cold-since), if we lead it; queued values of them are dropped. Kept, a topic
+        created again under the name would inherit them: its segment ids start at 0
+        again, so an old cold-since would merge a new segment at once."""
+        if self.leadership_for(topic) is None:
+            if self.partial:  # found by the first load: forgotten once we lead it
+                self._orphans.add(topic)
+            return  # otherwise its leader forgets it
+        own = (self._keys.cooldown(topic), self._keys.history(topic))
+        prefix = self._keys.cold_since_prefix(topic)
+        for key in [k for k in self._writes if k in own or k.startswith(prefix)]:
+            del self._writes[key]
+        self._forgotten[topic] = self.scope_of(topic)
+
+    def _forget_orphans(self) -> None:
+        """Forget the orphans we now lead (a topic since created again keeps its keys)."""
+        for topic in [t for t in self._orphans if t in self.view.topics or self.leads(t)]:
+            self._orphans.discard(topic)
+            if topic not in self.view.topics:
+                self._forget(topic)
+
     async def _writer(self) -> None:
         while True:
             with anyio.move_on_after(WRITE_DELAY):
@@ -1323,6 +1356,8 @@ class Controller:
         the leader held. The flush stops at that first failure, so an outage costs
         one round of the store's retries per flush, not one per batch (cold Pulsar
         records queue a write per segment at start)."""
+        if self._forgotten and not await self._flush_forgotten():
+            return
         if not self._writes:
             return
         pending, self._writes = self._writes, {}
@@ -1348,6 +1383,33 @@ class Controller:
                         log.warning("state.write_failed", ops=len(batch), error=str(exc))
                 for op in batch:
                     self._writes.setdefault(op.key, pending[op.key])
+
+    async def _flush_forgotten(self) -> bool:
+        """Delete the keys of the topics :meth:`_forget` queued, a fenced transaction a
+        topic, before any queued value (which is then the new topic's). False if etcd
+        refused one: it and the rest stay queued, as a refused batch does."""
+        forgotten, self._forgotten = self._forgotten, {}
+        failed = False
+        for topic, scope in forgotten.items():
+            leadership = self._scopes.get(scope)
+            if leadership is None or not leadership.is_leader():
+                continue
+            if not failed:
+                ops: list[Put | Delete] = [
+                    Delete(self._keys.cooldown(topic)),
+                    Delete(self._keys.history(topic)),
+                    Delete(self._keys.cold_since_prefix(topic), prefix=True),
+                ]
+                try:
+                    await self._fenced_write(leadership, ops)
+                    log.info("topic.state_deleted", topic=str(topic), token=leadership.token)
+                    continue
+                except StoreError as exc:
+                    failed = True
+                    self._metrics.state_write_failures.inc()
+                    log.warning("state.write_failed", ops=len(ops), error=str(exc))
+            self._forgotten.setdefault(topic, scope)
+        return not failed
 
     async def _fenced_write(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
         """Apply ``ops`` only while ``leadership`` holds (idempotent puts/deletes)."""
@@ -1394,6 +1456,8 @@ class Controller:
             leadership = self.leadership_for(topic)
             state = self.view.topics.get(topic)
             if leadership is None or state is None or state.layout is None:
+                if state is not None and orphaned(state) and has_own_state(state):
+                    self._forget(topic)  # our keys outlived the topic (deleted unled)
                 continue
             try:
                 await self._gc_topic(state, leadership)
