@@ -5,8 +5,9 @@ Pure: :func:`load` turns text and an env mapping into a validated, immutable
 shape, the env variable names and :func:`to_dict` are all derived from the dataclass
 fields below, so a new field is automatically a setting. Fields marked
 ``metadata={"reload": False}`` are read only at start-up; :func:`restart_required` tells
-the SIGHUP handler which changes it cannot apply. Constructing a ``Config`` directly does
-not validate it; only :func:`load` guarantees a valid one.
+the SIGHUP handler which changes it cannot apply, and :func:`reloaded` leaves them out.
+Constructing a ``Config`` directly does not validate it; only :func:`load` guarantees a
+valid one.
 """
 
 from __future__ import annotations
@@ -730,3 +731,26 @@ def restart_required(old: Config, new: Config) -> list[str]:
 
     walk(old, new, "")
     return changed
+
+
+def reloaded(old: Config, new: Config) -> Config:
+    """The config a SIGHUP puts in force: ``new``'s reloadable settings, ``old``'s
+    ``reload=False`` ones (the mirror image of :func:`restart_required`).
+
+    Restart-only settings are read again after start-up too (e.g. the lease TTL at
+    each new term), so the running config must keep their old values until a
+    restart, not only say that they need one.
+    """
+
+    def merge(a: Any, b: Any) -> Any:
+        changes: dict[str, Any] = {}
+        for f in fields(a):
+            va, vb = getattr(a, f.name), getattr(b, f.name)
+            if not f.metadata.get("reload", True):
+                changes[f.name] = va
+            elif is_dataclass(va) and not isinstance(va, type):
+                changes[f.name] = merge(va, vb)
+        return replace(b, **changes)
+
+    result: Config = merge(old, new)
+    return result

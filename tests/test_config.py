@@ -440,6 +440,28 @@ def test_restart_required() -> None:
     ]
 
 
+def test_a_reload_applies_only_the_reloadable_settings() -> None:
+    """A SIGHUP used to put restart-only values in force too (read later: the lease TTL)."""
+    old = load("")
+    token = "/run/secrets/token"
+    new = load(
+        f'[broker]\nprofile = "reference"\ntoken_file = "{token}"\n'
+        "[election]\nlease_ttl_seconds = 20\n"
+        "[policy.split_thresholds]\nmsg_rate_in = 2000\n"
+        '[logging]\nlevel = "debug"\n'
+    )
+    applied = cfg.reloaded(old, new)
+    assert applied.broker == replace(old.broker, token_file=token)
+    assert applied.election == old.election
+    assert (applied.metadata_prefix, applied.gc_enabled) == (old.metadata_prefix, old.gc_enabled)
+    assert applied.policy == new.policy and applied.logging == new.logging
+    assert restart_required(old, applied) == []
+    assert restart_required(applied, new) == restart_required(old, new)
+    assert cfg.reloaded(old, load("[policy]\nmax_segments = 8")) == load(
+        "[policy]\nmax_segments = 8"
+    )
+
+
 def test_reload_marks() -> None:
     restart_only = {name for name, f in leaf_fields() if not f.metadata.get("reload", True)}
     assert restart_only == {

@@ -28,8 +28,9 @@ from tests.support.broker import (
     mirror_into,
     serve_test_broker,
 )
-from tests.support.daemon import Replica, replicas, wait_until
+from tests.support.daemon import Replica, replicas, wait_until, write_config
 from tests.support.etcd import EtcdServer
+from tests.support.kafka import free_port
 
 TOPIC = TopicName("acme", "ns", "orders")
 
@@ -206,6 +207,70 @@ async def test_sighup_reloads_a_valid_config_and_keeps_the_old_on_an_invalid_one
 
     await wait_until(split, within=10)
     assert len(cluster.broker.topics[TOPIC].active_segments()) == 3
+
+
+async def test_sighup_keeps_restart_only_settings_until_a_restart(cluster: Cluster) -> None:
+    """A reload used to put restart-only values in force while logging that it did not."""
+    leader = await cluster.leader()
+    original = leader.config.read_text(encoding="utf-8")
+    leader.config.write_text(
+        original + '\n[cluster]\nname = "renamed"\n[policy.split_thresholds]\nmsg_rate_in = 2000\n',
+        encoding="utf-8",
+    )
+    leader.signal(signal.SIGHUP)
+
+    async def reloaded() -> bool:
+        return (await leader.metric("controllerd_config_reloads_total", outcome="ok")) == 1
+
+    await wait_until(reloaded)
+    warned = [e for e in leader.log_events() if e.get("event") == "config.restart_required"]
+    assert warned and warned[-1]["settings"] == ["cluster.name"]
+    status = await leader.status()
+    assert status is not None and status["cluster"] == "default"
+    await cluster.add_topic(segments=1)
+    await cluster.put_load(0, 5_000.0)  # over the reloaded 2000 msg/s, under the default
+
+    async def split() -> bool:
+        return cluster.splits() == 1
+
+    await wait_until(split, within=10)
+
+
+async def test_sigterm_stops_a_replica_still_waiting_for_etcd_to_authenticate(
+    tmp_path: Path,
+) -> None:
+    """With ``etcd.username`` set, SIGTERM during an etcd outage at start used to be logged
+    and ignored: only the stopper, which starts once etcd answers, acted on it."""
+    password = tmp_path / "etcd-password"
+    password.write_text("secret\n", encoding="utf-8")
+    config = write_config(
+        tmp_path / "replica.toml",
+        etcd=f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        prefix="/t/",
+        broker_url="http://127.0.0.1:1",
+        port=free_port(),
+    )
+    text = config.read_text(encoding="utf-8")
+    config.write_text(
+        text.replace("[etcd]\n", f'[etcd]\nusername = "root"\npassword_file = "{password}"\n', 1),
+        encoding="utf-8",
+    )
+    replica = Replica("r0", config, 0, tmp_path / "replica.log")
+    replica.start()
+    try:
+
+        async def retrying() -> bool:
+            return any(e.get("event") == "etcd.unavailable" for e in replica.log_events())
+
+        await wait_until(retrying)
+        replica.signal(signal.SIGTERM)
+        # Less than one attempt lasts (the store retries for 5 s): the attempt is cut short.
+        assert await anyio.to_thread.run_sync(replica.wait, 4.0) == 0
+    finally:
+        with anyio.CancelScope(shield=True):
+            await replica.stop()
+    stopped = [e for e in replica.log_events() if e.get("event") == "daemon.stopped"]
+    assert stopped and stopped[-1]["exit_code"] == 0
 
 
 async def test_a_bad_token_file_on_sighup_is_refused_and_the_daemon_lives_on(

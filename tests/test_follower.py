@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import anyio
 
 from controllerd.adapters import store as store_module
-from controllerd.adapters.store import KeyValue, SnapshotCompacted, Store, StoreUnavailable
+from controllerd.adapters.store import (
+    KeyValue,
+    SnapshotCompacted,
+    Store,
+    StoreUnavailable,
+    open_store,
+)
 from controllerd.core.model import TopicName
 from controllerd.core.view import Keys, MetadataView
 from controllerd.daemon import follower as follower_module
 from controllerd.daemon.clock import ManualClock
 from controllerd.daemon.follower import Follower
-from tests.support.etcd import EtcdServer  # noqa: F401 - fixtures
+from tests.support.daemon import wait_until
+from tests.support.etcd import EtcdServer
 from tests.support.populate import populate, topic_names
+from tests.support.proxy import serve_proxy
 
 
 class FailingOnce:
@@ -105,3 +115,53 @@ async def test_a_topic_is_reported_whole_only_once_every_key_it_has_is_in_the_vi
     assert len(reported) == len(set(reported))  # once each
     assert len(reported) >= len(names) - 2  # as the pages came, not all at the end
     assert len(reports) > 10
+
+
+class _Junk:
+    """One node of a reference cycle: garbage only the cyclic collector frees."""
+
+    ring: list[_Junk]
+
+
+def _cyclic_garbage(count: int) -> weakref.ref[_Junk]:
+    ring = [_Junk() for _ in range(count)]
+    for node in ring:
+        node.ring = ring
+    return weakref.ref(ring[0])
+
+
+async def test_the_collector_runs_while_a_load_waits_out_an_etcd_outage(
+    etcd_server: EtcdServer, store: Store, etcd_prefix: str
+) -> None:
+    """The load pauses the cyclic collector; it used to stay paused for a whole etcd
+    outage, and the process's garbage of the outage was then frozen with the view."""
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd/default")
+    await populate(store, keys, topic_names(20), segments=2)
+    async with (
+        serve_proxy(etcd_server.endpoint) as proxy,
+        open_store([proxy.endpoint], timeout=0.5, retry_for=0.5) as cut_off,
+    ):
+        await proxy.set_mode("refuse")
+        view = MetadataView(keys)
+        follower = Follower(cut_off, view, [keys.topics_prefix], lambda _: None, ManualClock())
+
+        async def paused() -> bool:
+            return not gc.isenabled()
+
+        async def collecting() -> bool:
+            return gc.isenabled()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follower.run)
+            await wait_until(paused)  # an attempt is under way
+            # Enough to be past the youngest generation's threshold, whatever else is freed.
+            garbage = _cyclic_garbage(10 * gc.get_threshold()[0])
+            await wait_until(collecting)  # waiting to retry
+            await proxy.set_mode("pass")
+            with anyio.fail_after(30):
+                await follower.synced.wait()
+            tg.cancel_scope.cancel()
+    assert len(view.topics) == 20
+    assert gc.isenabled()
+    gc.collect()  # frees nothing frozen
+    assert garbage() is None

@@ -145,27 +145,33 @@ class Follower:
         collection walks every live object, and at 1.9 million keys those walks
         stalled the event loop for up to 0.9 s, longer the more was loaded.
         The view's objects hold no reference cycles, so nothing is left unfreed.
+
+        The pause covers the attempts only, not the waits between them: the
+        collector is global, so paused through an etcd outage it would let the
+        whole process's garbage pile up, and then freeze it for good.
         """
-        gc.disable()
+        failures = 0
         try:
-            return await self._load_with_retries(prefix)
+            while True:
+                gc.disable()
+                try:
+                    return await self._load_once(prefix)
+                except SnapshotCompacted:
+                    self.stats.reloads += 1
+                    log.warning(
+                        "follower.load.restart", prefix=prefix, why="compacted between pages"
+                    )
+                except StoreError as exc:
+                    gc.enable()
+                    delay = backoff.ETCD.delay(failures)
+                    failures += 1
+                    log.warning(
+                        "follower.load.failed", prefix=prefix, error=str(exc), retry_in_s=delay
+                    )
+                    await anyio.sleep(delay)
         finally:
             gc.enable()
             gc.freeze()
-
-    async def _load_with_retries(self, prefix: str) -> int:
-        failures = 0
-        while True:
-            try:
-                return await self._load_once(prefix)
-            except SnapshotCompacted:
-                self.stats.reloads += 1
-                log.warning("follower.load.restart", prefix=prefix, why="compacted between pages")
-            except StoreError as exc:
-                delay = backoff.ETCD.delay(failures)
-                failures += 1
-                log.warning("follower.load.failed", prefix=prefix, error=str(exc), retry_in_s=delay)
-                await anyio.sleep(delay)
 
     async def _read_ahead(
         self,

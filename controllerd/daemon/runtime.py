@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -36,7 +37,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import anyio
 import anyio.abc
@@ -61,6 +62,8 @@ from controllerd.daemon.ops import make_ops_app, serve_ops
 from controllerd.errors import EXIT_OK, EXIT_SOFTWARE, EXIT_UNAVAILABLE, OperatorError
 
 log = structlog.get_logger("controllerd.daemon.runtime")
+
+_T = TypeVar("_T")
 
 #: Seconds from SIGTERM to exit, at most. systemd's TimeoutStopSec (20 s) and the
 #: Kubernetes grace period (30 s) are longer.
@@ -129,7 +132,11 @@ class Daemon:
     # -- config --------------------------------------------------------------------------
 
     def reload(self) -> bool:
-        """Parse and validate the file again; on any error keep the old config."""
+        """Parse and validate the file again; on any error keep the old config.
+
+        Only the reloadable settings take effect: restart-only ones keep their old
+        values (:func:`config.reloaded`), as the code reading them later assumes.
+        """
         sdnotify.reloading()
         try:
             new = config_mod.load_file(self.config_path, self.env)
@@ -149,11 +156,11 @@ class Daemon:
             sdnotify.ready()
             return False
         restart = config_mod.restart_required(self.config, new)
-        self.config = new
+        self.config = config_mod.reloaded(self.config, new)
         if self._broker is not None:
             self._broker.set_token(token)
             self._broker_auth_error = None  # a new token deserves a new try
-        configure_logging(new.logging.level, new.logging.format)
+        configure_logging(self.config.logging.level, self.config.logging.format)
         self.metrics.config_reloads.labels(outcome="ok").inc()
         log.info("config.reloaded", path=self.config_path, restart_required=restart or None)
         if restart:
@@ -336,40 +343,77 @@ class Daemon:
                 on_request=self._observe_request,
             )
             self._broker = broker
-            async with (
-                self._open_store() as store,
-                broker,
-                open_audit(cfg.audit, self.metrics.audit_messages) as audit,
-            ):
+            async with self._open_store() as store, broker:
                 task_status.started()
-                await self._serve(store, broker, audit, tg)
+                if store is not None:  # None: stopped before etcd first answered
+                    async with open_audit(cfg.audit, self.metrics.audit_messages) as audit:
+                        await self._serve(store, broker, audit, tg)
             tg.cancel_scope.cancel()
         log.info("daemon.stopped", replica=self.replica, exit_code=self.exit_code)
         return self.exit_code
 
     @contextlib.asynccontextmanager
-    async def _open_store(self) -> AsyncIterator[Store]:
+    async def _open_store(self) -> AsyncIterator[Store | None]:
         """The etcd client; waits out an etcd that is down (never exits for it), but a
-        refusal of our credentials is an operator error (exit 3)."""
+        refusal of our credentials is an operator error (exit 3).
+
+        Yields None when SIGTERM/SIGINT comes first: the stopper only starts once
+        etcd has answered, so each attempt (which authenticates, retrying, when
+        ``etcd.username`` is set) and each backoff are raced against ``shutdown``.
+        """
         failures = 0
-        while True:
+        async with contextlib.AsyncExitStack() as stack:
+            while not self.shutdown.is_set():
+                connect = functools.partial(
+                    stack.enter_async_context, open_configured_store(self.config.etcd)
+                )
+                try:
+                    store = await self._unless_stopping(connect)
+                except StoreUnavailable as exc:
+                    self._etcd_error = str(exc)
+                    self._report()
+                    delay = backoff.ELECTION.delay(failures)
+                    failures += 1
+                    log.warning("etcd.unavailable", error=str(exc), retry_in_s=round(delay, 3))
+                    await self._unless_stopping(functools.partial(anyio.sleep, delay))
+                except StoreError as exc:
+                    raise OperatorError(
+                        f"etcd refused us: {exc}",
+                        exit_code=EXIT_UNAVAILABLE,
+                        setting="etcd.username/etcd.password_file",
+                    ) from None
+                else:
+                    if store is not None:
+                        yield store
+                        return
+            sdnotify.stopping()
+            self._report()
+            log.info("daemon.stopping", replica=self.replica, etcd="never answered")
+            yield None
+
+    async def _unless_stopping(self, work: Callable[[], Awaitable[_T]]) -> _T | None:
+        """``work()``, or None if SIGTERM/SIGINT comes first (``work`` is then cancelled).
+
+        ``work``'s exception is raised as it is, not inside an exception group, so
+        callers catch it by type and ``run``'s ``except* OperatorError`` still finds it.
+        """
+        done: list[_T] = []
+        failed: list[Exception] = []
+
+        async def stop_when_asked(scope: anyio.CancelScope) -> None:
+            await self.shutdown.wait()
+            scope.cancel()
+
+        async with anyio.create_task_group() as race:
+            race.start_soon(stop_when_asked, race.cancel_scope, name="shutdown-race")
             try:
-                async with open_configured_store(self.config.etcd) as store:
-                    yield store
-                    return
-            except StoreUnavailable as exc:
-                self._etcd_error = str(exc)
-                self._report()
-                delay = backoff.ELECTION.delay(failures)
-                failures += 1
-                log.warning("etcd.unavailable", error=str(exc), retry_in_s=round(delay, 3))
-                await anyio.sleep(delay)
-            except StoreError as exc:
-                raise OperatorError(
-                    f"etcd refused us: {exc}",
-                    exit_code=EXIT_UNAVAILABLE,
-                    setting="etcd.username/etcd.password_file",
-                ) from None
+                done.append(await work())
+            except Exception as exc:
+                failed.append(exc)
+            race.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
+        return done[0] if done else None
 
     async def _serve(
         self, store: Store, broker: BrokerClient, audit: AuditSink, outer: anyio.abc.TaskGroup
