@@ -520,11 +520,12 @@ async def test_a_deleted_topics_own_keys_go_so_a_topic_created_again_starts_clea
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
     """A topic created again under a deleted one's name starts its segment ids at 0: a
-    cold-since left behind would date its new segment 0 from a week ago (a merge at
-    once), a history would lengthen its merge windows. The leader deletes them."""
+    cold-since left behind would date its new segment 0 from before it was cold (a
+    merge too soon), a history would lengthen its merge windows. The leader deletes
+    them."""
     async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
         await h.add_topic(segments=2)
-        await _put_own_keys(h, TOPIC, h.clock.now_ms() - 7 * 86_400_000)
+        await _put_own_keys(h, TOPIC, h.clock.now_ms())
         await eventually(
             lambda: (
                 TOPIC in h.controller.view.topics

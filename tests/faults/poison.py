@@ -20,7 +20,7 @@ from typing import Any, Final
 from hypothesis import strategies as st
 
 from controllerd.core.model import TopicName
-from controllerd.core.view import Keys, MetadataView
+from controllerd.core.view import UNKNOWN_TYPE, Keys, MetadataView
 
 #: Rejection kinds (``controllerd_metadata_rejected_total{kind}``) and consumer,
 #: whose values are never rejected.
@@ -206,7 +206,8 @@ def held(view: MetadataView, kind: str, n: int) -> bool:
     """Whether ``view`` holds a value for :func:`poison_key` ``(kind, n)``.
 
     A refused value is never held (never half-applied): the topic has no
-    layout, the segment no load, and so on.
+    layout, the segment no load, and so on. A refused subscription stays known
+    with type ``UNKNOWN`` (GC must still ask for its backlog): its value is not held.
     """
     state = view.topics.get(_poison_topic(n))
     match kind:
@@ -215,7 +216,8 @@ def held(view: MetadataView, kind: str, n: int) -> bool:
         case "load":
             return state is not None and n % 16 in state.loads
         case "subscription":
-            return state is not None and f"s{n}" in state.subscriptions
+            kind_held = state.subscriptions.get(f"s{n}") if state is not None else None
+            return kind_held not in (None, UNKNOWN_TYPE)
         case "consumer":
             return state is not None and f"c{n}" in state.consumers.get("s", set())
         case "policy":
