@@ -611,34 +611,39 @@ class MetadataView:
             self.overrides.get((topic.tenant, topic.namespace, topic.topic)),
         )
 
-    def keys_held(self, prefix: str) -> list[str]:
-        """Every key under ``prefix`` whose value the view holds.
+    def keys_held(self, prefix: str) -> Iterator[str]:
+        """Every key under ``prefix`` whose value the view holds, topic by topic.
 
         After a reload that follows a compaction, keys held but not seen again
-        were deleted while we were not watching: the caller deletes them.
+        were deleted while we were not watching: the caller deletes them. Lazy, so
+        the caller can yield to the loop as it goes (~2 us a key, millions of keys
+        at 100,000 topics); the topics are those held when the listing starts.
         """
-        held: list[str] = []
         k = self.keys
+        topics = list(self.topics.items())
         if k.topics_prefix.startswith(prefix) or prefix.startswith(k.topics_prefix):
-            for name, state in self.topics.items():
-                held.append(k.layout(name))
+            for name, state in topics:
+                held = [k.layout(name)]
                 held.extend(k.subscription(name, sub) for sub in state.subscriptions)
                 for sub, consumers in state.consumers.items():
                     held.extend(k.consumer(name, sub, c) for c in consumers)
                 held.extend(k.load(name, sid) for sid in state.loads)
+                yield from (key for key in held if key.startswith(prefix))
         if k.controller_prefix.startswith(prefix) or prefix.startswith(k.controller_prefix):
-            for name, state in self.topics.items():
+            for name, state in topics:
+                held = [k.cold_since(name, sid) for sid in state.cold_since]
                 if state.cooldown is not None:
                     held.append(k.cooldown(name))
-                held.extend(k.cold_since(name, sid) for sid in state.cold_since)
                 if state.history is not None:
                     held.append(k.history(name))
-            held.extend(k.policy(t, ns, topic) for t, ns, topic in self.overrides)
+                yield from (key for key in held if key.startswith(prefix))
+            held = [k.policy(t, ns, topic) for t, ns, topic in self.overrides]
             held.extend(self.pending_deletes)
+            yield from (key for key in held if key.startswith(prefix))
         root = self.keys.pulsar_policies_prefix
         if root.startswith(prefix) or prefix.startswith(root):
-            held.extend(f"{root}{t}/{ns}" for t, ns in self.pulsar_namespaces)
-        return [key for key in held if key.startswith(prefix)]
+            namespaces = [f"{root}{t}/{ns}" for t, ns in self.pulsar_namespaces]
+            yield from (key for key in namespaces if key.startswith(prefix))
 
     # -- the parsing boundary -------------------------------------------------------------
 

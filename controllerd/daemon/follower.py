@@ -48,6 +48,9 @@ log = structlog.get_logger("controllerd.daemon.follower")
 
 #: Keys applied between two yields to the event loop during a load or a catch-up.
 SLICE = 200
+#: Keys the view lists, or forgets, between two yields when a reload compares what it
+#: holds with what etcd has (a list of ~2 us a key: 5 s in one go at 100,000 topics).
+HELD_SLICE = 4096
 #: Pages read from etcd ahead of the one being applied during a load.
 READ_AHEAD_PAGES = 4
 
@@ -192,7 +195,11 @@ class Follower:
         so the load takes about the longer of etcd's reading and our parsing, not both."""
         revision = 0
         apply_put, note = self._view.apply_put, self._on_outcome
-        held = set(self._view.keys_held(prefix))  # empty on the first load
+        held: set[str] = set()  # empty on the first load
+        for count, key in enumerate(self._view.keys_held(prefix), 1):
+            held.add(key)
+            if count % HELD_SLICE == 0:
+                await anyio.lowlevel.checkpoint()
         # (bound, topic) for each layout applied and not yet reported whole
         pending: deque[tuple[str, TopicName]] | None = (
             deque()
@@ -229,8 +236,10 @@ class Follower:
                     self._report_whole(pending, page[-1].key)
         if failed:
             raise failed[0]
-        for key in sorted(held, reverse=True):  # deleted while we did not watch
+        for count, key in enumerate(sorted(held, reverse=True), 1):  # deleted meanwhile
             note(self._view.apply_delete(key))
+            if count % HELD_SLICE == 0:
+                await anyio.lowlevel.checkpoint()
         self.stats.prefixes[prefix] = revision
         return revision
 
