@@ -206,8 +206,8 @@ async def test_a_reload_yields_to_the_loop_while_it_compares_held_keys_with_etcd
 
     monkeypatch.setattr(view, "keys_held", counted_keys)
     monkeypatch.setattr(view, "apply_delete", counted_delete)
-    monkeypatch.setattr(follower_module.anyio.lowlevel, "checkpoint", counted_checkpoint)
+    monkeypatch.setattr(anyio.lowlevel, "checkpoint", counted_checkpoint)
     await follower._load_once(keys.topics_prefix)
     assert listed == 5 * len(names)
     assert names[0] not in view.topics and len(view.topics) == len(names) - 1
-    assert max(gaps + [since_yield]) <= 10
+    assert max([*gaps, since_yield]) <= 10
