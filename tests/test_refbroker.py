@@ -8,6 +8,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import anyio
 import httpx
@@ -26,8 +27,8 @@ from controllerd.adapters.broker import (
     NotFound,
     PreconditionFailed,
 )
-from controllerd.adapters.store import Store, WatchEvent
-from controllerd.core.layout import violations
+from controllerd.adapters.store import Put, Store, StoreUnavailable, WatchEvent
+from controllerd.core.layout import initial_layout, violations
 from controllerd.core.loadreport import ReportRule
 from controllerd.core.model import TopicName, layout_from_json
 from controllerd.core.shards import shard_name, shard_of
@@ -38,7 +39,8 @@ from controllerd.refbroker.kafka import open_kafka
 from controllerd.refbroker.main import BrokerOptions, serve
 from controllerd.refbroker.naming import seal_key, sealing_key, segment_topic, subscription_group
 from controllerd.refbroker.reporter import LoadReporter
-from controllerd.refbroker.server import RefBroker, make_app
+from controllerd.refbroker.server import RefBroker, Refused, make_app
+from tests.support.broker import layout_json
 from tests.support.etcd import EtcdServer
 
 SHARDS = 16
@@ -334,6 +336,149 @@ async def test_the_load_reporter_measures_rates_from_kafka(
             await ref.produce("0000-ffff-0", 50, size=200)
             await ref.commit("s", "0000-ffff-0", 40)
             assert await reporter.report_once() == 0
+
+
+async def test_a_name_kafka_cannot_have_is_skipped_not_the_end_of_the_reporter(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    """The topics prefix is shared with Pulsar, whose names may hold dots; Kafka names
+    here may not. Such a topic or subscription raised out of report_once, ending the
+    reporter and the broker with it (and again after every restart)."""
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        dotted = TopicName("acme.eu", "ns", "orders")
+        await ref.store.put(ref.keys.subscription(topic, "my.sub"), b'{"type": "STREAM"}')
+        cfg = config_mod.Config()
+        rule = ReportRule(cfg.policy.split_thresholds, cfg.policy.merge_thresholds)
+        async with open_kafka(ref.kafka) as kafka:
+            reporter = LoadReporter(ref.store, ref.keys, kafka, rule, ref.clock, 10.0)
+            await ref.store.put(ref.keys.layout(dotted), layout_json(initial_layout(1)))
+            assert await reporter.report_once() == 0
+            await ref.produce("0000-ffff-0", 50, size=200)
+            await ref.clock.advance(10.0)
+            assert await reporter.report_once() == 1  # the good topic is still measured
+            assert reporter.unnamed == {str(dotted), f"{topic}/subscriptions/my.sub"}
+
+
+class LostAnswers:
+    """A store whose next transaction after :meth:`arm` etcd applies twice, returning
+    the second answer: what the store's own retry sees after etcd applied the first
+    attempt and its answer was lost (a timeout or a dropped connection)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def txn(self, compares: Any, success: Any, failure: Any = ()) -> Any:
+        result = await self._store.txn(compares, success, failure)
+        if self.armed and any(isinstance(op, Put) for op in success):
+            self.armed = False
+            result = await self._store.txn(compares, success, failure)
+        return result
+
+
+async def test_an_applied_split_or_create_whose_etcd_answer_was_lost_is_answered_done(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    """The retried transaction's compare fails on our own write; the broker answered 412
+    (split: the segment is no longer active) or 409 (create: it exists) for an
+    operation it did, and the controller recorded a failure and retried."""
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd")
+    leader_key = f"{keys.controller_root}/leader"
+    token = await elect(store, leader_key)
+    lossy = LostAnswers(store)
+    async with open_kafka(kafka_broker) as kafka:
+        broker = RefBroker(cast(Store, lossy), keys, kafka, ManualClock(), leader_key)
+        topic = new_topic()
+        lossy.armed = True
+        await broker.create_topic(topic, 1)
+        lossy.armed = True  # the seal's final transaction: layout, seal keys, intent
+        layout = await broker.split(topic, 0, None, broker.fence(topic, token, None))
+        assert [s.segment_id for s in layout.active_segments()] == [1, 2]
+        stored, _ = await broker.read_layout(topic)
+        assert stored == layout and await broker.seal_end(topic, 0) == 0
+
+
+async def test_bad_names_and_unusable_stored_values_are_refused_with_a_reason(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    """Each of these answered a bare 500 (an unhandled ValueError) instead."""
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        async with httpx.AsyncClient(base_url=ref.url) as http:
+            base = f"/admin/v2/scalable/{topic.tenant}/{topic.namespace}"
+            sub = await http.put(f"{base}/{topic.topic}/subscriptions/my.sub")
+            assert sub.status_code == 400 and "my.sub" in sub.json()["reason"]
+            long = await http.put(f"{base}/{'t' * 240}")
+            assert long.status_code == 400 and "249" in long.json()["reason"]
+            await ref.store.put(ref.keys.layout(topic), b"{not json")
+            segment = f"/admin/v2/segments/{topic.tenant}/{topic.namespace}/{topic.topic}"
+            gone = await http.delete(
+                f"{segment}/0000-ffff-0", headers={"X-Fencing-Token": str(ref.token)}
+            )
+            assert gone.status_code == 500 and "unusable" in gone.json()["reason"]
+
+
+async def test_a_repeated_create_never_brings_back_a_segment_gc_deleted(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    """A second PUT of a topic created its segments' Kafka topics before finding that the
+    topic exists: a sealed segment GC had deleted came back, in no layout, for good."""
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        await ref.client.split(topic, 0, None, fencing_token=ref.token)
+        assert await ref.client.delete_segment(topic, "0000-ffff-0", fencing_token=ref.token)
+        with pytest.raises(Conflict):
+            await ref.client.create_topic(topic, 1)
+        async with open_kafka(ref.kafka) as kafka:
+            assert not await kafka.exists(segment_topic(topic, "0000-ffff-0"))
+
+
+class SealKeyOutage:
+    """A store that fails the first delete of a seal key (etcd down at that moment)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.failed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def delete(self, key: str) -> bool:
+        if not self.failed and key.endswith("/seal"):
+            self.failed = True
+            raise StoreUnavailable("KV.DeleteRange: etcd unavailable")
+        return await self._store.delete(key)
+
+
+async def test_a_segment_delete_retried_after_etcd_failed_still_deletes_its_seal_key(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    """The Kafka topic went, the seal key's delete failed (503); the retry found the
+    topic gone and answered 404 before the seal key, which stayed until the topic did."""
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd")
+    leader_key = f"{keys.controller_root}/leader"
+    token = await elect(store, leader_key)
+    outage = SealKeyOutage(store)
+    async with open_kafka(kafka_broker) as kafka:
+        broker = RefBroker(cast(Store, outage), keys, kafka, ManualClock(), leader_key)
+        topic = new_topic()
+        await broker.create_topic(topic, 1)
+        fence = broker.fence(topic, token, None)
+        await broker.split(topic, 0, None, fence)
+        with pytest.raises(StoreUnavailable):
+            await broker.delete_segment(topic, "0000-ffff-0", fence)
+        assert await store.get(seal_key(keys, topic, 0)) is not None
+        with pytest.raises(Refused) as retried:
+            await broker.delete_segment(topic, "0000-ffff-0", fence)
+        assert retried.value.status == 404
+        assert await store.get(seal_key(keys, topic, 0)) is None
 
 
 # --- atomic seal -------------------------------------------------------------------------------

@@ -121,6 +121,8 @@ class LoadReporter:
         self._written: dict[tuple[TopicName, int], _Written] = {}
         self._sizes: dict[tuple[TopicName, int], float] = {}
         self._held: set[tuple[TopicName, int]] = set()
+        #: names no Kafka topic or group can have (said once each, then skipped)
+        self.unnamed: set[str] = set()
 
     @property
     def held(self) -> frozenset[tuple[TopicName, int]]:
@@ -158,12 +160,15 @@ class LoadReporter:
                 except (ModelError, ValueError):
                     continue
             elif len(parts) == 5 and parts[3] == "subscriptions":
-                subscriptions.setdefault(topic, []).append(parts[4])
+                if self._kafka_safe(topic, parts[4]):
+                    subscriptions.setdefault(topic, []).append(parts[4])
             elif len(parts) == 6 and parts[5] == "load":
                 stored[kv.key] = kv.value
         written = 0
         measured: set[tuple[TopicName, int]] = set()
         for topic, layout in sorted(layouts.items()):
+            if not self._kafka_safe(topic):
+                continue
             for seg in layout.active_segments():
                 measured.add((topic, seg.segment_id))
                 try:
@@ -181,6 +186,22 @@ class LoadReporter:
         for gone in [k for k in self._readings if k not in measured]:
             self._forget(gone)
         return written
+
+    def _kafka_safe(self, topic: TopicName, sub: str | None = None) -> bool:
+        """Whether the topic (and ``sub``) can be named in Kafka; a key in the shared
+        prefix that cannot (Pulsar allows dots, Kafka names here do not) is skipped,
+        with one warning, instead of ending the reporter and the broker with it."""
+        try:
+            segment_topic(topic, "0000-ffff-0")
+            if sub is not None:
+                subscription_group(topic, sub)
+        except ValueError as exc:
+            name = str(topic) if sub is None else f"{topic}/subscriptions/{sub}"
+            if name not in self.unnamed:
+                self.unnamed.add(name)
+                log.warning("reporter.name_skipped", name=name, error=str(exc))
+            return False
+        return True
 
     def _forget(self, key: tuple[TopicName, int]) -> None:
         self._readings.pop(key, None)

@@ -52,7 +52,6 @@ from controllerd.core.view import Keys
 from controllerd.daemon.clock import Clock
 from controllerd.refbroker.kafka import KafkaBackend, KafkaBackendError
 from controllerd.refbroker.naming import (
-    check_name_part,
     seal_key,
     sealing_key,
     segment_topic,
@@ -203,6 +202,8 @@ class RefBroker:
             )
             if await self._seal_and_write(topic, new, sealed, compares):
                 return old, new
+            if await self._stored(self.keys.layout(topic), _layout_bytes(new)):
+                return old, new  # applied by an attempt whose answer etcd lost (store retry)
             await self._check_fence(fence)
             if await self.store.get(sealing_key(self.keys, topic)) is not None:
                 await anyio.sleep(backoff.ETCD.delay(attempt))  # another seal is under way
@@ -225,7 +226,7 @@ class RefBroker:
         A failure anywhere leaves the layout unsealed and no seal key; the intent
         is revoked (or expires with its lease). False: a compare failed.
         """
-        layout_put = Put(self.keys.layout(topic), json.dumps(layout_to_json(new)).encode())
+        layout_put = Put(self.keys.layout(topic), _layout_bytes(new))
         if not sealed:
             return (await self.store.txn(compares, [layout_put])).succeeded
         intent = sealing_key(self.keys, topic)
@@ -257,6 +258,13 @@ class RefBroker:
                 except StoreError as exc:  # the lease expires by itself
                     log.warning("refbroker.sealing.revoke_failed", topic=str(topic), error=str(exc))
 
+    async def _stored(self, key: str, value: bytes) -> bool:
+        """Whether ``key`` holds exactly ``value``: a write whose compare failed may have
+        been applied by an earlier attempt of the same transaction, whose answer etcd
+        lost (the store retries; a layout we wrote carries our time stamp and ids)."""
+        kv = await self.store.get(key)
+        return kv is not None and kv.value == value
+
     async def _create_children(self, topic: TopicName, old: Layout, new: Layout) -> None:
         names = [
             segment_topic(topic, s.descriptor)
@@ -267,7 +275,13 @@ class RefBroker:
 
     async def seal_end(self, topic: TopicName, segment_id: int) -> int | None:
         kv = await self.store.get(seal_key(self.keys, topic, segment_id))
-        return int(json.loads(kv.value)["endOffset"]) if kv is not None else None
+        if kv is None:
+            return None
+        try:
+            return int(json.loads(kv.value)["endOffset"])
+        except (ValueError, TypeError, KeyError) as exc:
+            reason = f"stored seal of {topic} segment {segment_id} is unusable: {exc}"
+            raise Refused(500, reason) from exc
 
     # -- topics --------------------------------------------------------------------------
 
@@ -279,14 +293,16 @@ class RefBroker:
 
     async def create_topic(self, topic: TopicName, segments: int) -> None:
         layout = layout_ops.initial_layout(segments, self.clock.now_ms())
+        key = self.keys.layout(topic)
+        if await self.store.get(key) is not None:
+            # Before creating any Kafka topic: a segment GC deleted must not come back.
+            raise Refused(409, f"topic {topic} already exists", "exists")
         await self.kafka.create_topics(
             [segment_topic(topic, s.descriptor) for s in layout.segments.values()]
         )
-        key = self.keys.layout(topic)
-        result = await self.store.txn(
-            [Compare.absent(key)], [Put(key, json.dumps(layout_to_json(layout)).encode())]
-        )
-        if not result.succeeded:
+        body = _layout_bytes(layout)
+        result = await self.store.txn([Compare.absent(key)], [Put(key, body)])
+        if not result.succeeded and not await self._stored(key, body):
             raise Refused(409, f"topic {topic} already exists", "exists")
         log.info("refbroker.topic.created", topic=str(topic), segments=segments)
 
@@ -301,7 +317,10 @@ class RefBroker:
     # -- subscriptions -------------------------------------------------------------------
 
     async def create_subscription(self, topic: TopicName, sub: str, kind: str) -> None:
-        check_name_part(sub)
+        try:
+            subscription_group(topic, sub)
+        except ValueError as exc:
+            raise Refused(400, str(exc)) from exc
         await self.read_layout(topic)
         await self.store.put(
             self.keys.subscription(topic, sub), json.dumps({"type": kind}).encode()
@@ -374,14 +393,19 @@ class RefBroker:
     async def delete_segment(self, topic: TopicName, descriptor: str, fence: Fence | None) -> None:
         segment_id = _segment_id(descriptor)
         await self._check_fence(fence)
-        kv = await self.store.get(self.keys.layout(topic))
-        if kv is not None:
-            layout = layout_from_json(json.loads(kv.value))
+        try:
+            layout, _ = await self.read_layout(topic)
+        except Refused as exc:
+            if exc.status != 404:
+                raise
+        else:
             seg = layout.segments.get(segment_id)
             if seg is not None and seg.active:
                 raise Refused(412, f"segment {descriptor} is active", "not-active")
         name = segment_topic(topic, descriptor)
         if not await self.kafka.exists(name):
+            # A retry after etcd failed to delete the seal key: it goes now.
+            await self.store.delete(seal_key(self.keys, topic, segment_id))
             raise Refused(404, f"segment {descriptor} does not exist")
         lagging = {}
         for sub in await self.subscriptions(topic):
@@ -395,6 +419,10 @@ class RefBroker:
         log.info("refbroker.segment.deleted", topic=str(topic), descriptor=descriptor)
 
 
+def _layout_bytes(layout: Layout) -> bytes:
+    return json.dumps(layout_to_json(layout)).encode()
+
+
 def _segment_id(descriptor: str) -> int:
     match = _DESCRIPTOR.fullmatch(descriptor)
     if match is None:
@@ -405,9 +433,9 @@ def _segment_id(descriptor: str) -> int:
 def _topic(request: Request) -> TopicName:
     params = request.path_params
     try:
-        for part in (params["tenant"], params["namespace"], params["topic"]):
-            check_name_part(part)
-        return TopicName(params["tenant"], params["namespace"], params["topic"])
+        topic = TopicName(params["tenant"], params["namespace"], params["topic"])
+        segment_topic(topic, "0000-ffff-0")  # Kafka-safe, and short enough for Kafka
+        return topic
     except (ValueError, ModelError) as exc:
         raise Refused(400, str(exc)) from exc
 
