@@ -209,6 +209,113 @@ def test_tune_refuses_what_it_cannot_cross_validate(
         assert message in err and "(setting: --reuse)" in err, err
 
 
+@pytest.mark.parametrize(
+    ("extra", "short"),
+    [
+        ([], "onerow"),  # a one-row CSV next to the fixture's traces
+        (["--max-hours", "0.01"], "calm"),  # 36 s of a trace sampled every 5 minutes
+    ],
+)
+def test_time_cv_refuses_a_trace_too_short_to_cut_naming_cv(
+    tmp_path: Path,
+    traces: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    short: str,
+) -> None:
+    """It was an internal error (exit 70) from the cut, outside the --cv error handling."""
+    (traces / "onerow.csv").write_text("timestamp,value\n1420070400,5\n", encoding="utf-8")
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[variants.c]\npreset = "controllerd"\n', encoding="utf-8")
+    args = ["tune", "--traces", str(traces), "--grid", str(grid), "--cv", "time:0.5"]
+    assert main([*args, "--out", str(tmp_path / "out"), *extra]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"trace {short} is too short to cut at 0.5" in line and "(setting: --cv)" in line
+
+
+def test_time_cv_keeps_a_trace_whose_name_ends_like_a_half(
+    tmp_path: Path, traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``x@test`` cut in two is ``x@test@train``: stripping both suffixes looked up ``x``."""
+    (traces / "spiky.csv").rename(traces / "x@test.csv")
+    grid = tmp_path / "grid.toml"
+    grid.write_text(
+        '[variants.c]\npreset = "controllerd"\ngrid."policy.merge_window_seconds" = [600, 3600]\n',
+        encoding="utf-8",
+    )
+    args = ["tune", "--traces", str(traces), "--grid", str(grid), "--cv", "time:0.5"]
+    assert main([*args, "--out", str(tmp_path / "out"), "--workers", "1", "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith("# chosen by controllerd tune: c[")
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        # a zero replay step (division by zero) and an overflowing one: exit 70 before
+        ("autoscale.interval_seconds = 1e-300", "variants.a.autoscale.interval_seconds: "),
+        ("autoscale.interval_seconds = 1e300", "variants.a.autoscale.interval_seconds: "),
+        ("gc.default_retention_seconds = -inf", "variants.a.gc.default_retention_seconds: "),
+        # config settings the replay never reads: accepted and ignored before
+        ("autoscale.consumer_settle_seconds = -5", "variants.a.autoscale.consumer_settle_seconds"),
+        ("gc.interval_seconds = -1", "variants.a.gc.interval_seconds: unknown setting"),
+        # grid keys that vary nothing: identical variants under different names before
+        ('grid."grid.x" = [1, 2]', 'variants.a.grid."grid.x": not a setting'),
+        ('grid.description = ["p", "q"]', 'variants.a.grid."description": not a setting'),
+    ],
+)
+def test_a_variant_setting_the_replay_cannot_honour_exits_2_naming_it(
+    tmp_path: Path, traces: Path, capsys: pytest.CaptureFixture[str], toml: str, key: str
+) -> None:
+    variants = tmp_path / "v.toml"
+    variants.write_text(f'[variants.a]\npreset = "controllerd"\n{toml}\n', encoding="utf-8")
+    out = tmp_path / "out"
+    args = ["backtest", "--traces", str(traces), "--variants", str(variants), "--out", str(out)]
+    assert main([*args, "--workers", "1", "--no-plots", "--no-progress"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert key in line and line.endswith("(setting: --variants)"), line
+    assert not out.exists()
+
+
+def test_tune_reuses_its_own_metrics_for_traces_named_like_numbers_or_na(
+    tmp_path: Path, traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pandas read trace ``1`` as an integer and ``NA`` as missing, so no row matched."""
+    (traces / "spiky.csv").rename(traces / "1.csv")
+    (traces / "calm.csv").rename(traces / "NA.csv")
+    grid = tmp_path / "grid.toml"
+    grid.write_text(
+        '[variants.c]\npreset = "controllerd"\ngrid."policy.merge_window_seconds" = [600, 3600]\n',
+        encoding="utf-8",
+    )
+    args = ["tune", "--traces", str(traces), "--grid", str(grid), "--no-progress"]
+    first = tmp_path / "first"
+    assert main([*args, "--out", str(first), "--workers", "1"]) == 0
+    chosen = capsys.readouterr().out
+    reuse = ["--reuse", str(first / "metrics.csv")]
+    assert main([*args, "--out", str(tmp_path / "again"), *reuse]) == 0
+    assert capsys.readouterr().out == chosen
+
+
+@pytest.mark.parametrize("operations", ["2.5", "1e+300"])
+def test_reuse_refuses_a_count_that_is_not_a_whole_number(
+    tmp_path: Path, traces: Path, capsys: pytest.CaptureFixture[str], operations: str
+) -> None:
+    from controllerd.pipeline.simulate import METRIC_COLUMNS
+
+    row = {c: "1" for c in METRIC_COLUMNS} | {"operations": operations}
+    reuse = tmp_path / "metrics.csv"
+    reuse.write_text(
+        ",".join(["trace", "variant", *row]) + "\n" + ",".join(["calm", "pip483", *row.values()]),
+        encoding="utf-8",
+    )
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[variants.c]\npreset = "controllerd"\n', encoding="utf-8")
+    args = ["tune", "--traces", str(traces), "--grid", str(grid), "--reuse", str(reuse)]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f":2: operations {operations}" in line and "is not a whole number" in line, line
+
+
 # --- the console command, as an operator runs it --------------------------------------------
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -239,27 +239,38 @@ def _writing(out: Path) -> Iterator[None]:
         ) from None
 
 
+MAX_REUSED_COUNT: Final = 2**53
+"""The largest count ``tune --reuse`` takes: whole in a float, and sums of many stay in int64."""
+
+
 def _reused_metrics(results: pd.DataFrame, path: str) -> pd.DataFrame:
     """A ``metrics.csv`` given to ``tune --reuse``: every column there, every metric a
-    finite number >= 0, no (trace, variant) twice."""
+    finite number >= 0 and every count (an ``int`` field of ``Metrics``) a whole number
+    up to :data:`MAX_REUSED_COUNT`, no (trace, variant) twice."""
     import pandas as pd
 
-    from controllerd.pipeline.simulate import METRIC_COLUMNS
+    from controllerd.pipeline.simulate import METRIC_COLUMNS, Metrics
 
+    counts = {f.name for f in dataclasses.fields(Metrics) if f.type in (int, "int")}
     missing = [c for c in ("trace", "variant", *METRIC_COLUMNS) if c not in results.columns]
     if missing:
         raise OperatorError(f"{path}: no column {missing[0]}", setting="--reuse")
     for column in METRIC_COLUMNS:
         values = pd.to_numeric(results[column], errors="coerce")
-        bad = ~(values.ge(0) & values.lt(math.inf))
+        if column in counts:
+            bad = ~(values.ge(0) & values.le(MAX_REUSED_COUNT) & values.mod(1).eq(0))
+            expected = f"is not a whole number 0..{MAX_REUSED_COUNT:,}"
+        else:
+            bad = ~(values.ge(0) & values.lt(math.inf))
+            expected = "is not a finite number >= 0"
         if bad.any():
             row = int(bad.to_numpy().nonzero()[0][0])
+            cell = results[column].iloc[row]
+            shown = cell.item() if hasattr(cell, "item") else cell  # 2.5, not np.float64(2.5)
             raise OperatorError(
-                f"{path}:{row + 2}: {column} {results[column].iloc[row]!r} "
-                "is not a finite number >= 0",
-                setting="--reuse",
+                f"{path}:{row + 2}: {column} {shown!r} {expected}", setting="--reuse"
             )
-        results[column] = values
+        results[column] = values.astype("int64") if column in counts else values
     twice = results.duplicated(["trace", "variant"])
     if twice.any():
         row = int(twice.to_numpy().nonzero()[0][0])
@@ -526,9 +537,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not candidates:
         raise OperatorError(f"{args.grid}: no candidate besides pip483", setting="--grid")
     variants = [Variant(report.BASELINE, pip483()), *candidates]
-    if scheme == "time":
-        traces = tune.split_in_time(traces, fraction)
     try:
+        if scheme == "time":
+            # Each half keeps its trace's set: the name with the one suffix the cut added.
+            groups = {t.name + s: groups[t.name] for t in traces for s in (tune.TRAIN, tune.TEST)}
+            traces = tune.split_in_time(traces, fraction)
         folds = (
             [tune.time_fold(traces)] if scheme == "time" else tune.folds_for(scheme, traces, groups)
         )
@@ -540,7 +553,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         import pandas as pd
 
         try:
-            results = pd.read_csv(args.reuse)
+            # As written: a trace named 1 or NA stays that name, not a number or a gap.
+            results = pd.read_csv(
+                args.reuse, dtype={"trace": str, "variant": str}, keep_default_na=False
+            )
         except (OSError, ValueError) as exc:
             raise OperatorError(f"{args.reuse}: cannot read: {exc}", setting="--reuse") from None
         results = _reused_metrics(results, args.reuse)
@@ -559,10 +575,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
         results, elapsed = _execute(args, "tune", traces, histories, variants, options)
     with _writing(out):
         metrics = report.write_metrics(results, out / "metrics.csv")
-    if scheme == "time":
-        groups = {
-            t.name: groups[t.name.removesuffix(tune.TRAIN).removesuffix(tune.TEST)] for t in traces
-        }
     result = tune.cross_validate(metrics, [v.name for v in candidates], folds, names, groups=groups)
     chosen = next(v for v in candidates if v.name == result.final.variant)
     snippet = tune.toml_snippet(chosen)

@@ -100,6 +100,8 @@ FLIPFLOP_WINDOW_MS: Final = 30 * 60 * 1000
 """A merge undone by a split of the same range (or the reverse) within this is a flip-flop."""
 MAX_OPS_PER_STEP: Final = 64
 """Bound on back-to-back operations at one instant (only reachable with zero cooldowns)."""
+MIN_INTERVAL_SECONDS: Final = 0.001
+"""The shortest replay step: the replay counts time in whole milliseconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,18 +124,32 @@ class Strategy:
     hash_buckets: int = 0
 
     def errors(self) -> list[str]:
+        """Problems, each named by its key in a variants file.
+
+        The replay steps in whole milliseconds, so an interval under one rounds to a
+        zero step; one over :data:`MAX_POLICY_SECONDS` overflows the step counts.
+        """
         errs = self.policy.errors("policy") + self.report.errors("load_report")
-        if not (self.interval_seconds > 0 and math.isfinite(self.interval_seconds)):
-            errs.append(f"interval_seconds: must be > 0 (got {self.interval_seconds!r})")
-        if not self.gc_retention_seconds <= MAX_POLICY_SECONDS:  # also NaN; < 0 keeps forever
+        if not MIN_INTERVAL_SECONDS <= self.interval_seconds <= MAX_POLICY_SECONDS:  # also NaN
             errs.append(
-                "gc.default_retention_seconds: must be at most "
-                f"{MAX_POLICY_SECONDS:,} (got {self.gc_retention_seconds!r})"
+                f"autoscale.interval_seconds: must be {MIN_INTERVAL_SECONDS:g}.."
+                f"{MAX_POLICY_SECONDS:,} (got {self.interval_seconds!r})"
+            )
+        retention = self.gc_retention_seconds
+        # Negative keeps sealed segments forever, as in the daemon's config; -inf is a typo.
+        if not (math.isfinite(retention) and retention <= MAX_POLICY_SECONDS):
+            errs.append(
+                "gc.default_retention_seconds: must be finite and at most "
+                f"{MAX_POLICY_SECONDS:,}, negative to keep forever (got {retention!r})"
             )
         if not 1 <= self.initial_segments <= 65536:
-            errs.append(f"initial_segments: must be 1..65536 (got {self.initial_segments!r})")
+            errs.append(
+                f"simulator.initial_segments: must be 1..65536 (got {self.initial_segments!r})"
+            )
         if not 0 <= self.hash_buckets <= MAX_HASH_BUCKETS:
-            errs.append(f"hash_buckets: must be 0..{MAX_HASH_BUCKETS} (got {self.hash_buckets!r})")
+            errs.append(
+                f"simulator.hash_buckets: must be 0..{MAX_HASH_BUCKETS} (got {self.hash_buckets!r})"
+            )
         return errs
 
 

@@ -71,6 +71,13 @@ REFERENCE_THRESHOLDS: Final = PULSAR_POLICY.split_thresholds
 _T = TypeVar("_T")
 _STATIC = re.compile(r"static-(\d+)")
 _TABLES: Final = ("policy", "load_report", "autoscale", "gc", "simulator")
+_NOT_VARIED: Final = ("grid", "description")
+"""Keys of a variant that change no setting, so a grid over them repeats one variant."""
+_REPLAYED: Final = {
+    "autoscale": frozenset({"interval_seconds"}),
+    "gc": frozenset({"default_retention_seconds"}),
+}
+"""The fields of these config tables a replay reads; any other would be silently ignored."""
 
 
 class VariantError(ValueError):
@@ -178,6 +185,11 @@ def _expand(name: str, table: dict[str, Any], errs: list[str]) -> list[Variant]:
         errs.append(f"{where}.grid: expected a table of dotted keys to non-empty lists")
         return []
     flat = _flatten(grid)
+    ignored = [k for k in flat if k.split(".", 1)[0] in _NOT_VARIED]
+    if ignored:
+        # _build would drop them, giving variants that differ in name only
+        errs.extend(f'{where}.grid."{k}": not a setting a variant can vary' for k in ignored)
+        return []
     if not flat:
         strategy = _build(where, table, errs)
         return [] if strategy is None else [Variant(name, strategy)]
@@ -255,12 +267,14 @@ def _build(where: str, table: Mapping[str, Any], errs: list[str]) -> Strategy | 
         table.get("autoscale", {}),
         f"{where}.autoscale",
         errs,
+        only=_REPLAYED["autoscale"],
     )
     gc = _override(
         GcSettings(default_retention_seconds=base.gc_retention_seconds),
         table.get("gc", {}),
         f"{where}.gc",
         errs,
+        only=_REPLAYED["gc"],
     )
     sim = _override(
         _Simulator(base.track_cold_since, base.initial_segments, base.hash_buckets),
@@ -280,7 +294,7 @@ def _build(where: str, table: Mapping[str, Any], errs: list[str]) -> Strategy | 
         hash_buckets=sim.hash_buckets,
     )
     problems = strategy.errors()
-    errs.extend(f"{where}: {p}" for p in problems)
+    errs.extend(f"{where}.{p}" for p in problems)
     return None if problems else strategy
 
 
@@ -291,15 +305,18 @@ class _Simulator:
     hash_buckets: int = 0
 
 
-def _override(base: _T, table: Any, where: str, errs: list[str]) -> _T:
-    """``base`` (a dataclass) with the table's fields replaced, type-checked per field."""
+def _override(
+    base: _T, table: Any, where: str, errs: list[str], only: frozenset[str] | None = None
+) -> _T:
+    """``base`` (a dataclass) with the table's fields replaced, type-checked per field;
+    ``only`` limits them to the fields the replay reads (others would be ignored)."""
     if not isinstance(table, dict):
         errs.append(f"{where}: expected a table")
         return base
     hints = get_type_hints(type(base))
     changes: dict[str, Any] = {}
     for key, value in table.items():
-        if key not in hints or key.startswith("_"):
+        if key not in hints or key.startswith("_") or (only is not None and key not in only):
             errs.append(f"{where}.{key}: unknown setting")
             continue
         current = getattr(base, key)
