@@ -214,3 +214,26 @@ async def test_record_prints_only_its_summary_on_stdout_and_logs_as_configured(
         assert logged == []
     else:
         assert any(entry["level"] == "debug" for entry in logged), logged
+
+
+async def test_a_segment_id_parquet_cannot_hold_is_skipped_and_the_buffer_kept(
+    store: Store, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """A load key whose segment id does not fit int64 ended the flush (OverflowError)
+    and lost the good rows buffered with it."""
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd/default")
+    topic = f"{keys.topics_prefix}{TOPIC}"
+    await store.put(topic, json.dumps(layout_to_json(initial_layout(1, now_ms=T0))).encode())
+    await store.put(f"{topic}/segments/0/load", load(10.0, T0))
+    await store.put(f"{topic}/segments/{2**63}/load", load(10.0, T0))
+    await store.put(f"{topic}/segments/99999999999999999999/load", load(10.0, T0))
+    await store.put(f"{topic}/segments/-1/load", load(10.0, T0))
+    sink = ParquetSink(tmp_path)
+    recorder = Recorder(keys, now_ms=lambda: T0 + 5_000)
+    async with anyio.create_task_group() as tg:
+        await tg.start(recorder.run, store, sink)
+        tg.cancel_scope.cancel()
+    await sink.flush()
+    assert recorder.rejected == 3
+    assert sink.counts == {LOADS: 1, LAYOUTS: 1, DECISIONS: 0}
+    assert read_table(tmp_path, LOADS).column("segment_id").to_pylist() == [0]

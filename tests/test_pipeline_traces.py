@@ -40,23 +40,68 @@ def test_max_hours_cuts_the_series_before_scaling(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "message"),
+    ("line", "reason"),
     [
-        ("timestamp,value\n", "no rows"),
-        ("2015-01-01 00:00:00,x\n2015-01-01 00:05:00,1\n", ":1:"),
-        ("2015-01-01 00:00:00\n", "expected timestamp,value"),
-        ("0,0\n60,0\n", "all values are zero"),
-        ("0,1\n60,-1\n", ":2: value '-1' is not a finite number >= 0"),
-        ("0,1\n60,nan\n", ":2: value 'nan' is not a finite number >= 0"),
-        ("0,1\n60,1e400\n", ":2: value '1e400' is not a finite number >= 0"),
-        ("0,1\ninf,2\n", ":2: time 'inf' is not in 1970-9999"),
-        ("0,1\n1e300,2\n", ":2: time '1e300' is not in 1970-9999"),
-        ("0,1\n-1e15,2\n", ":2: time '-1e15' is not in 1970-9999"),
-        ("1441115100000,3\n1441115400000,4\n", ":1: time .* milliseconds"),
-        ("1969-12-31T23:59:59,3\n", r":1: time '1969-12-31T23:59:59' is not in 1970-9999$"),
+        ("60,x", "value 'x' is not a finite number >= 0"),
+        ("60", "expected timestamp,value"),
+        ("60,-1", "value '-1' is not a finite number >= 0"),
+        ("60,nan", "value 'nan' is not a finite number >= 0"),
+        ("60,1e400", "value '1e400' is not a finite number >= 0"),
+        ("inf,2", "timestamp 'inf' is not in 1970-9999"),
+        ("1e300,2", "timestamp '1e300' is not in 1970-9999 (epoch seconds expected, not millis"),
+        ("-1e15,2", "timestamp '-1e15' is not in 1970-9999"),
+        ("notadate,2", "timestamp 'notadate' is not YYYY-MM-DD HH:MM:SS, ISO 8601 or epoch sec"),
+        (",2", "timestamp '' is not YYYY-MM-DD HH:MM:SS, ISO 8601 or epoch seconds"),
+        ("1969-12-31T23:59:59,3", "timestamp '1969-12-31T23:59:59' is not in 1970-9999"),
     ],
 )
-def test_bad_csv_is_refused_with_the_file_and_row(tmp_path: Path, text: str, message: str) -> None:
+def test_a_malformed_csv_row_is_skipped_and_counted_naming_the_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, reason: str
+) -> None:
+    """One bad row of a long series used to end the whole backtest; it is dropped,
+    and one stderr line says how many and which first."""
+    csv = write(tmp_path / "t.csv", f"0,1\n{line}\n120,3\n")
+    trace = import_csv(csv, TraceOptions())
+    assert trace.t_ms == [0, 120_000]
+    (said,) = capsys.readouterr().err.splitlines()
+    assert said.startswith(f"controllerd: {csv}: skipped 1 malformed rows (first: line 2: ")
+    assert reason in said
+
+
+def test_skipped_csv_rows_are_counted_once_per_file_with_the_header_s_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The message names the column as the file does; an unclosed quote, which swallows
+    the lines after it into one cell, is reported as such."""
+    csv = write(tmp_path / "t.csv", 'time,count\n0,1\nnotadate,2\n60,x\n\n120,3\n"180,4\n240,5\n')
+    assert import_csv(csv, TraceOptions()).t_ms == [0, 120_000]
+    assert capsys.readouterr().err.splitlines() == [
+        f"controllerd: {csv}: skipped 3 malformed rows (first: line 3: time 'notadate' "
+        "is not YYYY-MM-DD HH:MM:SS, ISO 8601 or epoch seconds)"
+    ]
+    import_csv(write(tmp_path / "v.csv", "time,count\n0,1\n60,x\n"), TraceOptions())
+    assert "(first: line 3: count 'x' is not a finite number >= 0)" in capsys.readouterr().err
+    import_csv(write(tmp_path / "q.csv", '0,1\n"60,2\n120,3\n180,4\n'), TraceOptions())
+    assert "(first: line 2: a quoted field runs on to line 4)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("timestamp,value\n", r"bad.csv: no rows$"),
+        ("2015-01-01 00:00:00\n", r": no usable rows: all 1 malformed \(first: line 1: expected"),
+        ("0,0\n60,0\n", "bad.csv: all values are zero"),
+        ("timestamp,value\nx,1\n0,y\n", r": all 2 malformed \(first: line 2: timestamp 'x' is"),
+        ("1441115100000,3\n1441115400000,4\n", r"all 2 malformed \(first: line 1: .* milliseconds"),
+        (
+            "1969-12-31T23:59:59,3\n",
+            r"line 1: timestamp '1969-12-31T23:59:59' is not in 1970-9999\)$",
+        ),
+    ],
+)
+def test_a_csv_with_no_usable_row_is_refused_naming_the_file(
+    tmp_path: Path, text: str, message: str
+) -> None:
     with pytest.raises(TraceError, match=message):
         import_csv(write(tmp_path / "bad.csv", text), TraceOptions())
 
@@ -163,3 +208,61 @@ def test_a_history_of_the_wrong_types_is_refused_naming_the_directory(tmp_path: 
     pq.write_table(pa.table({"hash_buckets": pa.array(["not a list"])}), part / "p.parquet")
     with pytest.raises(TraceError, match="cannot read the recorded history"):
         discover([tmp_path], TraceOptions())
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--peak-over-threshold", "1e308"],
+        ["--msg-bytes", "1e308"],
+        [],  # with the subnormal series below: its peak is too small to scale
+    ],
+)
+def test_a_scaling_that_overflows_is_refused_naming_the_file_and_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    """An infinite rate used to end the replay as an internal error (OverflowError)."""
+    from controllerd.cli import main
+
+    values = ("5e-324", "0", "5e-324") if not flags else ("1", "0", "2")
+    csv = write(tmp_path / "s.csv", "".join(f"{60 * i},{v}\n" for i, v in enumerate(values)))
+    out = tmp_path / "out"
+    assert main(["backtest", "--traces", str(csv), "--out", str(out), "--no-plots", *flags]) == 2
+    (said,) = capsys.readouterr().err.splitlines()
+    assert said.startswith(f"controllerd: {csv}: the peak value ")
+    assert "gives rates that are not finite numbers" in said
+    assert "--peak-over-threshold" in said and "--msg-bytes" in said
+
+
+@pytest.mark.parametrize("bad", ["null topic", "blank topic", "null revision"])
+def test_history_rows_without_a_topic_or_revision_are_skipped_and_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    """A null topic or revision ended the import in a sort (TypeError); a blank topic
+    became a trace named " "."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from controllerd.pipeline.history import LOADS, SCHEMAS, write_rows
+
+    t0 = 1_420_070_400_000
+    rates = {"msg_rate_in": 5.0, "byte_rate_in": 5.0, "msg_rate_out": 5.0, "byte_rate_out": 5.0}
+    good = {"topic": "a/b/c", "observed_at_ms": t0, "mod_revision": 1, "segment_id": 0}
+    good |= {**rates, "t_ms": t0, "range_start": 0, "range_end": 0xFFFF}
+    rows = [good, {**good, "t_ms": t0 + 60_000, "mod_revision": 2}]
+    if bad == "null topic":  # a file outside any topic= partition
+        part = tmp_path / LOADS / "hour=2015-01-01T00"
+        part.mkdir(parents=True)
+        row = {k: v for k, v in good.items() if k != "topic"}
+        schema = SCHEMAS[LOADS].remove(SCHEMAS[LOADS].get_field_index("topic"))
+        pq.write_table(pa.Table.from_pylist([row], schema=schema), part / "p.parquet")
+    elif bad == "blank topic":
+        rows.append({**good, "topic": " "})
+    else:
+        rows.append({**good, "t_ms": t0 + 30_000, "mod_revision": None})
+    write_rows(tmp_path, LOADS, rows)
+    (trace,) = discover([tmp_path], TraceOptions())
+    assert trace.name == "a/b/c" and trace.t_ms == [t0, t0 + 60_000]
+    assert capsys.readouterr().err.splitlines() == [
+        f"controllerd: {tmp_path}: skipped 1 malformed load rows"
+    ]

@@ -111,7 +111,7 @@ class Recorder:
                 return LAYOUTS, self._layout_row("/".join(parts), value, mod_revision)
             if len(parts) == 6 and parts[3] == "segments" and parts[5] == "load":
                 return LOADS, self._load_row(
-                    "/".join(parts[:3]), int(parts[4]), value, mod_revision
+                    "/".join(parts[:3]), _segment_id(parts[4]), value, mod_revision
                 )
         except (ModelError, ValueError, RecursionError) as exc:
             # RecursionError: json.loads of a deeply nested value
@@ -188,6 +188,20 @@ class Recorder:
         row = self.rows(key, value, mod_revision)
         if row is not None:
             sink.add(*row)
+
+
+def _segment_id(text: str) -> int:
+    """A load key's segment id, which Parquet stores as int64.
+
+    Raises:
+        ValueError: not an integer in 0..2**63-1. Checked here, where the key is
+            skipped and counted, because at the flush it would end the recorder and
+            lose every row buffered with it.
+    """
+    number = int(text)
+    if not 0 <= number < 2**63:
+        raise ValueError(f"segment id {text} is not in 0..2**63-1")
+    return number
 
 
 def decision_row(record: Mapping[str, Any]) -> dict[str, Any]:
