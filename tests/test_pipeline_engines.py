@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Final
 import pandas as pd
 import pytest
 
+from controllerd.errors import EXIT_USAGE, OperatorError
 from controllerd.pipeline import engines
 from controllerd.pipeline.engines import (
     RATE_COLUMNS,
@@ -256,6 +257,25 @@ def test_spark_reads_the_recorded_history(spark: SparkSession, tmp_path: Path) -
     )
 
 
+def test_a_history_spark_cannot_read_is_an_operator_error_naming_it(
+    spark: SparkSession, variants: list[Variant], tmp_path: Path
+) -> None:
+    """A file beside the recorder's topic= directories (no topic= level) stops Spark's
+    partition discovery; that is the operator's directory, not a bug of ours (exit 2,
+    not 70)."""
+    row: dict[str, Any] = dict.fromkeys(RATE_COLUMNS, 1.0)
+    row |= {"topic": "a/b/c", "t_ms": T0, "observed_at_ms": T0, "mod_revision": 1}
+    row |= {"segment_id": 0, "range_start": 0, "range_end": 0xFFFF, "changed_at_ms": T0}
+    write_rows(tmp_path, LOADS, [row])
+    stray = tmp_path / LOADS / "hour=2015-01-01T00"
+    stray.mkdir()
+    (next((tmp_path / LOADS).glob("topic=*/hour=*/*.parquet"))).rename(stray / "x.parquet")
+    write_rows(tmp_path, LOADS, [row])
+    with pytest.raises(OperatorError) as refused:
+        run_spark([], variants[:1], RunOptions(), spark=spark, histories=[str(tmp_path)])
+    assert str(tmp_path) in str(refused.value) and refused.value.exit_code == EXIT_USAGE
+
+
 def test_both_engines_skip_the_same_malformed_history_rows(
     spark: SparkSession,
     variants: list[Variant],
@@ -279,13 +299,15 @@ def test_both_engines_skip_the_same_malformed_history_rows(
     rows[42]["range_start"], rows[42]["range_end"] = 0x9000, 0x8000
     rows[43]["hash_buckets"] = [1.0, -1.0]
     rows[44]["t_ms"] = -5
+    rows[45]["mod_revision"] = None
+    rows[46]["topic"] = None  # no trace to replay it in
     other = [{**r, "topic": "x/y/z", "msg_rate_in": 2 * r["msg_rate_in"]} for r in rows[100:]]
     write_rows(tmp_path, LOADS, rows + other)
     options = RunOptions(timeline_points=20)
     local = run_local(discover([tmp_path], TraceOptions()), variants[:2], options, workers=1)
     capsys.readouterr()
     remote = run_spark([], variants[:2], options, spark=spark, histories=[str(tmp_path)])
-    assert f"{tmp_path}: skipped 5 malformed load rows" in capsys.readouterr().err
+    assert f"{tmp_path}: skipped 7 malformed load rows" in capsys.readouterr().err
     pd.testing.assert_frame_equal(metrics(local), metrics(remote), check_exact=True)
     assert local["splits"].sum() > 0
     assert set(local["trace"]) == {"a/b/c", "x/y/z"}

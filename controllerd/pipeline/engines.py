@@ -520,7 +520,7 @@ def history_rows(
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    loads = spark.read.parquet(str(Path(root).resolve() / "loads"))
+    loads = _loads(spark, root)
     if "hash_buckets" not in loads.columns:
         loads = loads.withColumn("hash_buckets", F.lit(None).cast("array<double>"))
     loads = loads.where(F.col("range_start").isNotNull())
@@ -531,6 +531,8 @@ def history_rows(
         F.col("range_start").between(0, 0xFFFF)
         & F.col("range_end").between(F.col("range_start"), F.lit(0xFFFF))
         & F.col("t_ms").between(0, MAX_STAMP_MS)
+        & (F.trim(F.col("topic")) != "")  # null, blank: no trace to replay it in
+        & F.col("mod_revision").isNotNull()
         & (
             F.col("hash_buckets").isNull()
             | F.forall("hash_buckets", lambda b: b.isNotNull() & (b >= 0) & (b < inf))
@@ -562,6 +564,21 @@ def history_rows(
     )
 
 
+def _loads(spark: SparkSession, root: str) -> SparkFrame:
+    """A history's load rows as Spark reads them; a directory it cannot read (files
+    beside the recorder's ``topic=`` directories stop its partition discovery) is the
+    operator's to fix, named."""
+    try:
+        return spark.read.parquet(str(Path(root).resolve() / "loads"))
+    except Exception as exc:  # py4j/JVM errors have no common type: name the directory
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise OperatorError(
+            f"{root}: cannot read its load rows on Spark: {line[:300]}",
+            exit_code=EXIT_USAGE,
+            setting="--traces",
+        ) from None
+
+
 def history_topics(spark: SparkSession, root: str) -> set[str]:
     """The topics of a recorded history, from its partition directories (no Spark job).
 
@@ -569,7 +586,7 @@ def history_topics(spark: SparkSession, root: str) -> set[str]:
     (``%252F``), so each is unquoted twice, as a URI and then as a partition value."""
     from urllib.parse import unquote, urlparse
 
-    files = spark.read.parquet(str(Path(root).resolve() / "loads")).inputFiles()
+    files = _loads(spark, root).inputFiles()
     return {
         unquote(part.removeprefix("topic="))
         for f in files
