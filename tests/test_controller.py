@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -337,6 +338,34 @@ async def test_gc_delete_failure_keeps_the_marker_and_retries_next_tick(
         assert (TOPIC, parent.descriptor) in h.broker_state.deleted_segments
 
 
+@contextlib.asynccontextmanager
+async def behind_a_proxy(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    store: Store,
+    controller_class: type[Controller],
+    extra_config: str = "",
+) -> AsyncIterator[tuple[Harness, TcpProxy]]:
+    """A leader that reaches etcd through a proxy the test can cut; its lease is kept on
+    the test's own connection, so a cut fails its writes without deposing it."""
+    cfg = make_config(etcd_prefix, extra_config)
+    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
+    async with (
+        serve_proxy(etcd_server.endpoint) as proxy,
+        open_store([proxy.endpoint], timeout=0.5, retry_for=0.5) as through,
+        lead(store, keys.leader, {"replica": "test-1"}, ttl=30) as leadership,
+        open_harness(
+            proxy.endpoint,
+            etcd_prefix,
+            extra_config=extra_config,
+            store=through,
+            leadership=leadership,
+            controller_class=controller_class,
+        ) as h,
+    ):
+        yield h, proxy
+
+
 class RefusedMarkerClear(Controller):
     """Cuts etcd (its proxy) just before each write that clears a pending-delete marker,
     while ``armed``: the broker has deleted the data, etcd refuses the cleanup."""
@@ -357,20 +386,9 @@ async def test_etcd_refusing_a_marker_cleanup_is_retried_and_never_stops_the_dae
     """A marker left by a delete whose cleanup etcd refused is retried at the start of
     every GC round; an etcd outage at that point is logged and retried, not raised (it
     reached the task group and exited the process)."""
-    cfg = make_config(etcd_prefix, RETENTION)
-    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
-    async with (
-        serve_proxy(etcd_server.endpoint) as proxy,
-        open_store([proxy.endpoint], timeout=0.5, retry_for=0.5) as through,
-        lead(store, keys.leader, {"replica": "test-1"}, ttl=30) as leadership,
-        open_harness(
-            proxy.endpoint,
-            etcd_prefix,
-            extra_config=RETENTION,
-            store=through,
-            leadership=leadership,
-            controller_class=RefusedMarkerClear,
-        ) as h,
+    async with behind_a_proxy(etcd_server, etcd_prefix, store, RefusedMarkerClear, RETENTION) as (
+        h,
+        proxy,
     ):
         RefusedMarkerClear.proxy, RefusedMarkerClear.armed = proxy, True
         await _split_topic(h, subscription=False)
@@ -789,20 +807,7 @@ async def test_state_written_behind_is_written_again_after_etcd_refused_it(
     start the segment's merge window afresh. The controller reaches etcd through a
     proxy the test cuts; its lease is kept on the test's own connection."""
     HeldWrites.gate, HeldWrites.held = anyio.Event(), anyio.Event()
-    cfg = make_config(etcd_prefix, "")
-    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
-    async with (
-        serve_proxy(etcd_server.endpoint) as proxy,
-        open_store([proxy.endpoint], timeout=0.5, retry_for=0.5) as through,
-        lead(store, keys.leader, {"replica": "test-1"}, ttl=30) as leadership,
-        open_harness(
-            proxy.endpoint,
-            etcd_prefix,
-            store=through,
-            leadership=leadership,
-            controller_class=HeldWrites,
-        ) as h,
-    ):
+    async with behind_a_proxy(etcd_server, etcd_prefix, store, HeldWrites) as (h, proxy):
         await h.add_topic(segments=2)
         start = h.clock.now_ms()
         record = b'{"msgRateIn": 5.0, "bytesRateIn": 1.0, "msgRateOut": 0.0, "bytesRateOut": 0.0}'

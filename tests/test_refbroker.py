@@ -361,6 +361,19 @@ async def test_a_name_kafka_cannot_have_is_skipped_not_the_end_of_the_reporter(
             assert reporter.unnamed == {str(dotted), f"{topic}/subscriptions/my.sub"}
 
 
+@contextlib.asynccontextmanager
+async def direct_broker(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> AsyncIterator[tuple[RefBroker, int]]:
+    """The broker's operations called directly (no HTTP) on ``store``, which a test may
+    wrap to inject an etcd fault, with the leader's fencing token."""
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd")
+    leader_key = f"{keys.controller_root}/leader"
+    token = await elect(store, leader_key)
+    async with open_kafka(kafka_broker) as kafka:
+        yield RefBroker(store, keys, kafka, ManualClock(), leader_key), token
+
+
 class LostAnswers:
     """A store whose next transaction after :meth:`arm` etcd applies twice, returning
     the second answer: what the store's own retry sees after etcd applied the first
@@ -387,12 +400,8 @@ async def test_an_applied_split_or_create_whose_etcd_answer_was_lost_is_answered
     """The retried transaction's compare fails on our own write; the broker answered 412
     (split: the segment is no longer active) or 409 (create: it exists) for an
     operation it did, and the controller recorded a failure and retried."""
-    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd")
-    leader_key = f"{keys.controller_root}/leader"
-    token = await elect(store, leader_key)
     lossy = LostAnswers(store)
-    async with open_kafka(kafka_broker) as kafka:
-        broker = RefBroker(cast(Store, lossy), keys, kafka, ManualClock(), leader_key)
+    async with direct_broker(cast(Store, lossy), etcd_prefix, kafka_broker) as (broker, token):
         topic = new_topic()
         lossy.armed = True
         await broker.create_topic(topic, 1)
@@ -462,12 +471,9 @@ async def test_a_segment_delete_retried_after_etcd_failed_still_deletes_its_seal
 ) -> None:
     """The Kafka topic went, the seal key's delete failed (503); the retry found the
     topic gone and answered 404 before the seal key, which stayed until the topic did."""
-    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd")
-    leader_key = f"{keys.controller_root}/leader"
-    token = await elect(store, leader_key)
     outage = SealKeyOutage(store)
-    async with open_kafka(kafka_broker) as kafka:
-        broker = RefBroker(cast(Store, outage), keys, kafka, ManualClock(), leader_key)
+    async with direct_broker(cast(Store, outage), etcd_prefix, kafka_broker) as (broker, token):
+        keys = broker.keys
         topic = new_topic()
         await broker.create_topic(topic, 1)
         fence = broker.fence(topic, token, None)

@@ -434,14 +434,18 @@ def spark_session(master: str = "local[*]", app_name: str = "controllerd-backtes
     try:
         session: SparkSession = builder.getOrCreate()
     except Exception as exc:  # py4j/JVM errors have no common type; name the setting
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise OperatorError(
-            f"cannot start Spark on {master}: {first}",
+            f"cannot start Spark on {master}: {_first_line(exc)}",
             exit_code=EXIT_UNAVAILABLE,
             setting="--master",
         ) from None
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def _first_line(exc: BaseException) -> str:
+    """A JVM error's first line (the rest is a Java stack), for a one-line message."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def missing_spark_extra() -> OperatorError:
@@ -571,9 +575,8 @@ def _loads(spark: SparkSession, root: str) -> SparkFrame:
     try:
         return spark.read.parquet(str(Path(root).resolve() / "loads"))
     except Exception as exc:  # py4j/JVM errors have no common type: name the directory
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise OperatorError(
-            f"{root}: cannot read its load rows on Spark: {line[:300]}",
+            f"{root}: cannot read its load rows on Spark: {_first_line(exc)[:300]}",
             exit_code=EXIT_USAGE,
             setting="--traces",
         ) from None
