@@ -552,6 +552,10 @@ def _build(base: Any, table: dict[str, Any], path: str, errs: list[str]) -> Any:
     return replace(base, **changes)
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
 # --- environment overrides -------------------------------------------------
 
 
@@ -563,7 +567,7 @@ def _env_value(raw: str, tp: Any) -> object:
     """
     try:
         parsed = tomllib.loads("v = " + raw)
-    except tomllib.TOMLDecodeError:
+    except (ValueError, RecursionError):  # as in load: then it is a plain string
         return raw
     if list(parsed) != ["v"]:  # e.g. "1\nx = 2" smuggling a second key
         return raw
@@ -659,8 +663,10 @@ def load(text: str, env: Mapping[str, str] | None = None) -> Config:
     """
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"invalid TOML: {exc}"]) from None
+    except (ValueError, RecursionError) as exc:
+        # TOMLDecodeError is a ValueError; so is an integer of more than 4,300 digits,
+        # and nesting thousands deep exhausts the parser's recursion.
+        raise ConfigError([f"invalid TOML: {_first_line(exc)}"]) from None
     errs: list[str] = []
     sources = _apply_env(data, env or {}, errs)
     config: Config = _build(Config(), data, "", errs)

@@ -376,6 +376,43 @@ def test_check_config_opens_every_file_the_config_names(
     assert f"{setting}: cannot read {missing}" in one_line(proc)
 
 
+def test_an_encrypted_client_key_is_refused_without_a_passphrase_prompt(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """OpenSSL prompted for the passphrase on the terminal and, without one, raised an
+    OSError: an internal error (70) at start, a crash on SIGHUP. A daemon has no
+    terminal to type it on: an encrypted key is refused, naming it."""
+    encrypted = tmp_path / "client-encrypted.key"
+    out = subprocess.run(
+        ["openssl", "pkey", "-in", str(pki.client_key), "-aes256", "-passout", "pass:secret"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    encrypted.write_bytes(out)
+    path = tmp_path / "controllerd.toml"
+    path.write_text(
+        f'[broker]\ncert_file = "{pki.client_cert}"\nkey_file = "{encrypted}"\n',
+        encoding="utf-8",
+    )
+    proc = cli("check-config", str(path))
+    assert proc.returncode == 1, proc.stderr
+    assert "unencrypted private key" in one_line(proc) and "pass phrase" not in proc.stderr
+
+
+def test_toml_python_cannot_hold_is_invalid_toml_not_an_internal_error(tmp_path: Path) -> None:
+    """An integer of more than 4,300 digits and nesting thousands deep raised ValueError
+    and RecursionError out of tomllib, past the config's parsing boundary (exit 70)."""
+    for name, text in (
+        ("huge", "[policy]\nmax_segments = " + "9" * 5000 + "\n"),
+        ("deep", "x = " + "[" * 5000 + "]" * 5000 + "\n"),
+    ):
+        path = tmp_path / f"{name}.toml"
+        path.write_text(text, encoding="utf-8")
+        proc = cli("check-config", str(path))
+        assert proc.returncode == 1, proc.stderr
+        assert "invalid TOML" in one_line(proc)
+
+
 def test_check_config_loads_certificates_and_refuses_empty_secrets(
     tmp_path: Path, pki: Pki
 ) -> None:

@@ -211,3 +211,39 @@ async def test_a_reload_yields_to_the_loop_while_it_compares_held_keys_with_etcd
     assert listed == 5 * len(names)
     assert names[0] not in view.topics and len(view.topics) == len(names) - 1
     assert max([*gaps, since_yield]) <= 10
+
+
+async def test_every_watch_restart_is_reported(
+    etcd_server: EtcdServer, store: Store, etcd_prefix: str
+) -> None:
+    """controllerd_watch_restarts_total is documented and graphed; nothing counted it.
+    The store re-establishes a cut watch itself and the follower one that etcd
+    compacted or refused: the daemon counts both."""
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd/default")
+    await populate(store, keys, topic_names(2), segments=1)
+    restarts: list[int] = []
+    async with (
+        serve_proxy(etcd_server.endpoint) as proxy,
+        open_store([proxy.endpoint], timeout=0.5, retry_for=0.5) as cut_off,
+    ):
+        follower = Follower(
+            cut_off,
+            MetadataView(keys),
+            [keys.topics_prefix],
+            lambda _: None,
+            ManualClock(),
+            on_watch_restart=lambda: restarts.append(1),
+        )
+        cut_off.on_watch_reconnect = lambda: restarts.append(1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follower.run)
+            with anyio.fail_after(30):
+                await follower.synced.wait()
+            await proxy.set_mode("refuse")
+
+            async def restarted() -> bool:
+                return len(restarts) >= 1
+
+            await wait_until(restarted)
+            await proxy.set_mode("pass")
+            tg.cancel_scope.cancel()

@@ -8,6 +8,7 @@ for each metric.
 
 from __future__ import annotations
 
+import math
 import platform
 import re
 import shutil
@@ -141,6 +142,12 @@ def test_readiness_is_one_hot_with_its_reason() -> None:
     assert not any(value(text, "controllerd_not_ready_reason", reason=r) for r in NOT_READY_REASONS)
     metrics.set_readiness("a reason nobody listed")
     assert value(exposition(metrics), "controllerd_not_ready_reason", reason="other") == 1
+
+
+def test_broker_up_is_unknown_until_the_first_admin_request() -> None:
+    """At 0 from the start, an idle leader (no topic to split, GC off: no request at
+    all) fired ControllerdBrokerDown, whose rule reads == 0, on a healthy cluster."""
+    assert math.isnan(value(exposition(Metrics()), "controllerd_broker_up"))
 
 
 def test_promtool_accepts_the_exposition() -> None:

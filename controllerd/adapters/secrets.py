@@ -102,11 +102,13 @@ def config_file_errors(cfg: Config) -> list[str]:
         if cert in readable and key in readable:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             try:
-                context.load_cert_chain(readable[cert], readable[key])
-            except (ssl.SSLError, ValueError) as exc:
+                # An empty password: an encrypted key fails here instead of OpenSSL
+                # prompting on the terminal (a daemon has none).
+                context.load_cert_chain(readable[cert], readable[key], password="")
+            except (ssl.SSLError, ValueError, OSError) as exc:
                 errors.append(
                     f"{cert}: {readable[cert]} and {key} {readable[key]} do not load as a "
-                    f"PEM certificate and its private key: {_ssl_reason(exc)}"
+                    f"PEM certificate and its unencrypted private key: {_ssl_reason(exc)}"
                 )
     from controllerd.adapters.store import endpoints_problem
 

@@ -471,6 +471,8 @@ class Store:
         self._clock = clock
         self._auth_lock = anyio.Lock()
         self._token_generation = 0
+        #: called each time a watch is re-established (the daemon counts them)
+        self.on_watch_reconnect: Callable[[], None] = lambda: None
 
     # -- plumbing -------------------------------------------------------------
 
@@ -885,6 +887,7 @@ class Store:
                 call.cancel()
             delay = backoff.ETCD.delay(failures)
             failures += 1
+            self.on_watch_reconnect()
             log.info(
                 "store.watch.reconnect",
                 key=key.decode(),

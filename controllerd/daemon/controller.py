@@ -415,6 +415,10 @@ class Controller:
 
     # -- events ---------------------------------------------------------------------------
 
+    def watch_restarted(self) -> None:
+        """The follower re-established a metadata watch (after an error or a compaction)."""
+        self._metrics.watch_restarts.inc()
+
     def note(self, outcome: Outcome) -> None:
         """One applied etcd value (from the follower): count rejections, trigger work."""
         self._last_applied = self._pacer.now()

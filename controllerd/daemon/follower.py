@@ -85,6 +85,7 @@ def feeding(store: Store, controller: Controller, clock: Clock) -> Follower:
         whole_prefix=keys.topics_prefix,
         on_whole=controller.whole,
         on_load=controller.note_load,
+        on_watch_restart=controller.watch_restarted,
     )
 
 
@@ -110,8 +111,10 @@ class Follower:
         whole_prefix: str | None = None,
         on_whole: Callable[[Sequence[TopicName] | None], None] | None = None,
         on_load: Callable[[TopicState, int], None] | None = None,
+        on_watch_restart: Callable[[], None] = lambda: None,
     ) -> None:
         self._store = store
+        self._on_watch_restart = on_watch_restart
         self._view = view
         self._prefixes = prefixes
         self._on_outcome = on_outcome
@@ -272,8 +275,10 @@ class Follower:
                     await anyio.lowlevel.checkpoint()
             except WatchCompacted:
                 self.stats.reloads += 1
+                self._on_watch_restart()
                 log.warning("follower.watch.compacted", prefix=prefix, revision=revision)
                 revision = await self._load(prefix) + 1
             except StoreError as exc:
+                self._on_watch_restart()
                 log.warning("follower.watch.failed", prefix=prefix, error=str(exc))
                 await anyio.sleep(backoff.ETCD.delay(3))

@@ -17,6 +17,7 @@ config/prometheus/controllerd-rules.yaml alerts on them.
 
 from __future__ import annotations
 
+import math
 import platform
 from collections.abc import Mapping
 from importlib import metadata
@@ -255,9 +256,12 @@ class Metrics:
         self.broker_up: Final = Gauge(
             "controllerd_broker_up",
             "1 while the last request to the broker admin API got an answer that is not "
-            "a transport failure or a 5xx, else 0.",
+            "a transport failure or a 5xx, else 0; NaN before this replica's first one.",
             registry=r,
         )
+        # Unknown until a request is made: an idle leader (nothing to split, GC off) makes
+        # none, and a 0 here would page ControllerdBrokerDown on a healthy cluster.
+        self.broker_up.set(math.nan)
         self.metadata_rejected: Final = Counter(
             "controllerd_metadata_rejected_total",
             "Values read from etcd that failed to parse and were skipped, by key kind.",

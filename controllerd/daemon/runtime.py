@@ -146,8 +146,13 @@ class Daemon:
             if problems:
                 raise config_mod.ConfigError([f"{self.config_path}: {p}" for p in problems])
             token = read_secret(new.broker.token_file, "broker.token_file")
-        except (config_mod.ConfigError, OperatorError) as exc:
-            errors = exc.errors if isinstance(exc, config_mod.ConfigError) else [exc.line()]
+        except Exception as exc:  # a reload never takes the daemon down, whatever the file
+            if isinstance(exc, config_mod.ConfigError):
+                errors = exc.errors
+            elif isinstance(exc, OperatorError):
+                errors = [exc.line()]
+            else:  # a file we could not judge is refused too: the previous config stays
+                errors = [f"{self.config_path}: {type(exc).__name__}: {exc}"]
             self.metrics.config_reloads.labels(outcome="invalid").inc()
             self.metrics.operator_errors.labels(kind="config-reload").inc()
             log.error(
@@ -435,6 +440,7 @@ class Daemon:
             on_operator_error=self._operator_error,
         )
         follower = feeding(store, controller, self.clock)
+        store.on_watch_reconnect = controller.watch_restarted
         self._controller, self._follower = controller, follower
         async with anyio.create_task_group() as workers:
             # In the outer group: its deadline must outlive the workers it cancels.
