@@ -21,8 +21,9 @@ from typing import Any
 
 import anyio
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import UnknownTopicOrPartitionError
 from anyio.abc import TaskStatus
 
 from controllerd.adapters.store import Compare, Delete, Put, Store
@@ -36,6 +37,7 @@ from controllerd.core.model import (
     layout_to_json,
 )
 from controllerd.core.view import Keys
+from controllerd.refbroker import client as client_module
 from controllerd.refbroker.client import (
     Consumer,
     Message,
@@ -212,6 +214,57 @@ async def sim_broker(
         await admin.close()
 
 
+class KafkaSeam:
+    """The real AIOKafkaProducer, with the test's hook where its ``send`` may wait or fail.
+
+    Stands for what aiokafka 0.14's ``AIOKafkaProducer.send`` does before it returns
+    the message's future: it awaits a metadata round trip for a topic it has not
+    sent to (raising UnknownTopicOrPartitionError if that metadata does not come
+    within ``request_timeout_ms``) and room in a full batch buffer (raising
+    KafkaTimeoutError if none frees up in time). ``before_send`` runs there and
+    may await (the layout moves on meanwhile) or raise (that failure); the message
+    then goes to the real producer. ``client.set_topics`` is recorded in ``named``.
+    """
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.before_send: Callable[[str], Awaitable[None]] | None = None
+        self.named: list[set[str]] = []
+        self.client = self._Client(self)
+
+    class _Client:
+        def __init__(self, seam: KafkaSeam) -> None:
+            self._seam = seam
+
+        def set_topics(self, topics: list[str]) -> Any:
+            self._seam.named.append(set(topics))
+            return self._seam.real.client.set_topics(topics)
+
+    async def start(self) -> None:
+        await self.real.start()
+
+    async def stop(self) -> None:
+        await self.real.stop()
+
+    async def send(self, topic: str, value: bytes, *, key: bytes | None, partition: int) -> Any:
+        if self.before_send is not None:
+            await self.before_send(topic)
+        return await self.real.send(topic, value, key=key, partition=partition)
+
+
+@pytest.fixture
+def kafka_seams(monkeypatch: pytest.MonkeyPatch) -> list[KafkaSeam]:
+    """Every producer ``open_producer`` opens from now on goes through a :class:`KafkaSeam`."""
+    seams: list[KafkaSeam] = []
+
+    def make(**kwargs: Any) -> KafkaSeam:
+        seams.append(KafkaSeam(AIOKafkaProducer(**kwargs)))
+        return seams[-1]
+
+    monkeypatch.setattr(client_module, "AIOKafkaProducer", make)
+    return seams
+
+
 def kv(key: str, round_: int) -> tuple[bytes, bytes]:
     return key.encode(), f"{key}:{round_}".encode()
 
@@ -341,6 +394,104 @@ async def test_producer_resends_what_landed_beyond_the_seal(
                         break
         assert [m.offset for m in got if m.segment_id == 0] == list(range(6))
         assert per_key(got) == {n.encode(): [0, 1] for n in names}
+
+
+async def test_producer_routes_one_segments_resends_by_one_layout(
+    store: Store, etcd_prefix: str, kafka_broker: str, kafka_seams: list[KafkaSeam]
+) -> None:
+    """The layout moves on while a re-send waits in aiokafka: the next re-send must not see it.
+
+    Re-sent by the newer layout, m2 would go straight to grandchild 3 while m1 sat
+    in child 1, sealed meanwhile, and m1's own re-send would then follow m2 there.
+    """
+    key = next(k for k in (f"k{i}" for i in range(1000)) if key_hash(k.encode()) < 0x4000)
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+            (seam,) = kafka_seams
+            for round_ in (1, 2):
+                assert await producer.send(*kv(key, round_)) == SendResult(0, round_ - 1)
+            await sim.write_layout(split(sim.layout, 0, now_ms=1))  # 0 -> 1 [0, 7fff], 2
+            child = sim.kafka_topic(1)
+            moved = anyio.Event()
+
+            async def layout_moves_on(topic: str) -> None:
+                """m1's re-send waits for the new child's metadata: 1 -> 3 [0, 3fff], 4."""
+                if topic != child or moved.is_set():
+                    return
+                moved.set()
+                await sim.write_layout(split(sim.layout, 1, now_ms=2))
+                await sim.seal(1, end=0)
+                follower = producer._follower  # no public view of what the watch applied
+                await eventually(lambda: follower.layout == sim.layout and 1 in follower.seals)
+
+            seam.before_send = layout_moves_on
+            await sim.seal(0, end=0)  # m1 and m2 landed beyond it
+            with anyio.fail_after(20):
+                await moved.wait()
+                await producer.flush()
+        in_order = [kv(key, 1)[1], kv(key, 2)[1]]
+        assert [r.value for r in await sim.records(3)] == in_order
+        assert [r.value for r in await sim.records(1)] == in_order
+        assert (producer.stats[0].resent, producer.stats[1].resent) == (2, 2)
+
+
+async def test_producer_keeps_resends_that_kafka_refused_and_retries_them(
+    store: Store, etcd_prefix: str, kafka_broker: str, kafka_seams: list[KafkaSeam]
+) -> None:
+    """aiokafka's send raises on the third re-send: the sealer backs off and re-sends the rest."""
+    names = [f"k{i}" for i in range(6)]
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+            (seam,) = kafka_seams
+            for name in names:
+                await producer.send(*kv(name, 0))
+            await sim.write_layout(split(sim.layout, 0, now_ms=1))  # children 1, 2
+            resends = 0
+
+            async def refuse_the_third(topic: str) -> None:
+                nonlocal resends
+                resends += 1
+                if resends == 3:
+                    raise UnknownTopicOrPartitionError()  # the metadata did not come in time
+
+            seam.before_send = refuse_the_third
+            await sim.seal(0, end=0)  # every message landed beyond it
+            with anyio.fail_after(20):
+                await eventually(lambda: resends > len(names))  # every re-send, one retried
+                for name in names:
+                    assert (await producer.send(*kv(name, 1))).segment_id in (1, 2)
+                await producer.flush()
+            assert producer.stats[0].resent == len(names)
+            assert producer.retained == 0
+        for child in (1, 2):
+            rng = sim.layout.segments[child].hash_range
+            mine = [n for n in names if rng.start <= key_hash(n.encode()) <= rng.end]
+            expected = [kv(n, 0)[1] for n in mine] + [kv(n, 1)[1] for n in mine]
+            assert [r.value for r in await sim.records(child)] == expected
+
+
+async def test_producer_keeps_naming_a_merged_parent_it_has_not_settled(
+    store: Store, etcd_prefix: str, kafka_broker: str, kafka_seams: list[KafkaSeam]
+) -> None:
+    """A merge seals 0 and 1 at once: settling 0 must not drop 1 from aiokafka's metadata.
+
+    A topic aiokafka stops naming has no leader after the next refresh, so batches
+    queued for it would sit until they expire (``request_timeout_ms``).
+    """
+    names = [f"key-{i}" for i in range(20)]
+    async with sim_broker(store, etcd_prefix, kafka_broker, 2) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+            (seam,) = kafka_seams
+            sent = {(await producer.send(*kv(n, 0))).segment_id for n in names}
+            assert sent == {0, 1}
+            await sim.merge(0, 1)  # -> 2
+            with anyio.fail_after(20):
+                await producer.flush()
+            parents = {sim.kafka_topic(0), sim.kafka_topic(1)}
+            merged = sim.kafka_topic(2)
+            assert seam.named == [{sim.kafka_topic(1), merged}, {merged}]
+            assert not parents & seam.named[-1]  # a deleted parent must not come back
+            assert {(await producer.send(*kv(n, 1))).segment_id for n in names} == {2}
 
 
 # --- consumer --------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ Producer (:func:`open_producer`):
 * Remembers what it sent to each segment. Once its layout shows a segment it sent
   to as sealed it sends nothing more to it, waits for every send to that segment
   to be acknowledged and for the seal key, then re-sends, in the original order
-  and routed by the current layout, every message that landed at an offset
-  ``>= endOffset``. New sends wait meanwhile, so re-sends go first.
+  and all routed by one layout (the newest when they begin), every message that
+  landed at an offset ``>= endOffset``. New sends wait meanwhile, so re-sends go
+  first.
 * Memory is bounded without waiting for seals: a message acknowledged before two
   linearizable etcd reads, the first finding no ``sealing`` intent naming its
   segment and the second still showing the segment active, lies below any future
@@ -62,6 +63,9 @@ Limits:
 * A message whose send failed (:class:`SendFailed`) is never re-sent: if Kafka
   wrote it nevertheless, beyond a seal, it is lost; below a seal, it is delivered.
   A re-send that Kafka refuses is logged and counted (``SegmentStats.failed``).
+  A re-send aiokafka does not take (its ``send`` raises) stays pending and is
+  retried on the Kafka backoff; a :meth:`Producer.send` that meets it fails
+  with :class:`SendFailed` without sending.
   A producer that dies with re-sends pending loses the messages beyond the seal.
 * Consumer names must be unique within a subscription. A consumer cut off from
   etcd stops when its lease would expire (:class:`ConsumerLost`); until then it may
@@ -98,6 +102,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
+from controllerd.adapters import backoff
 from controllerd.adapters.store import LeaseNotFound, Store, StoreError, WatchCompacted
 from controllerd.core.layout import LayoutError, check
 from controllerd.core.model import Layout, ModelError, TopicName, layout_from_json
@@ -385,10 +390,15 @@ class _Sent:
 
 @dataclass(slots=True, eq=False)
 class _Track:
-    """Messages sent to one segment, oldest first, not yet known to be below its seal."""
+    """Messages sent to one segment, oldest first, not yet known to be below its seal.
+
+    ``route_by`` is set once the segment's re-sends begin: the layout every one of
+    them is routed by, kept if a re-send fails so the retry routes the rest alike.
+    """
 
     entries: deque[_Sent] = field(default_factory=deque)
     inflight: int = 0
+    route_by: Layout | None = None
 
 
 class Producer:
@@ -448,10 +458,14 @@ class Producer:
 
         Raises:
             TopicNotFound: the topic has no layout.
-            SendFailed: Kafka did not acknowledge the message.
+            SendFailed: Kafka did not acknowledge the message, or refused a pending
+                re-send (the message was not sent; the re-sends stay pending).
         """
         async with self._gate:
-            await self._settle()
+            try:
+                await self._settle()
+            except KafkaError as exc:
+                raise SendFailed(f"re-send before this message: {exc!r}") from exc
             layout = self._require_layout()
             sid = _route(layout, key)
             try:
@@ -475,6 +489,7 @@ class Producer:
 
         Afterwards every message is acknowledged below its segment's seal, or in a
         segment still active after the acknowledgement, so closing loses nothing.
+        A re-send Kafka refuses is retried on the Kafka backoff meanwhile.
 
         Raises:
             TopicNotFound: the topic was deleted meanwhile.
@@ -486,7 +501,7 @@ class Producer:
                     lambda: all(t.inflight == 0 for t in self._tracks.values())
                 )
                 revision = await self._trim()
-                await self._settle()
+                await self._settle_retrying()
                 if self._tracks:
                     await self._signal.wait_for(functools.partial(self._caught_up, revision))
 
@@ -546,8 +561,19 @@ class Producer:
         """Re-send what landed beyond the seal of every sealed segment we sent to.
 
         Caller holds the gate. Waits for the segment's sends to be acknowledged
-        and for its seal key; the layout may move on meanwhile (re-sends follow
-        the newest one, and are themselves settled in a later round).
+        and for its seal key. All re-sends of one segment are routed by one layout,
+        the newest when they begin: one taken per message could send a key's later
+        message straight to a grandchild while an earlier one went to a child sealed
+        meanwhile, and that one would be re-sent after it. A target sealed meanwhile
+        is settled in a later round, in order.
+
+        A message leaves the segment's track only once Kafka took its re-send, and
+        the track goes only after the last one, so nothing is lost if Kafka refuses
+        one: the rest stay pending, for the next call, by the same layout.
+
+        Raises:
+            TopicNotFound: the topic was deleted.
+            KafkaError: aiokafka refused a re-send (its ``send`` raised).
         """
         while True:
             sid = self._first_sealed(self._require_layout())
@@ -558,35 +584,75 @@ class Producer:
             end = self._follower.seals.get(sid)
             if end is None:
                 raise TopicNotFound(self._topic.path)
+            if track.route_by is None:
+                track.route_by = self._require_layout()
+            layout = track.route_by
+            resent = 0
+            while track.entries:
+                entry = track.entries[0]
+                if entry.offset is not None and entry.offset >= end:
+                    await self._enqueue(
+                        layout, _route(layout, entry.key), _Sent(entry.key, entry.value)
+                    )
+                    resent += 1
+                    self._stats.setdefault(sid, SegmentStats()).resent += 1
+                track.entries.popleft()
+                self._retained -= 1
             del self._tracks[sid]
             self._untrack()
-            self._retained -= len(track.entries)
-            resend = [e for e in track.entries if e.offset is not None and e.offset >= end]
-            for entry in resend:
-                layout = self._require_layout()
-                await self._enqueue(
-                    layout, _route(layout, entry.key), _Sent(entry.key, entry.value)
-                )
-            if resend:
-                self._stats.setdefault(sid, SegmentStats()).resent += len(resend)
             log.info(
                 "refclient.producer.settled",
                 topic=self._topic.path,
                 segment=sid,
                 end_offset=end,
-                resent=len(resend),
+                resent=resent,
             )
 
+    async def _settle_retrying(self) -> None:
+        """:meth:`_settle`, retried on the Kafka backoff while Kafka refuses re-sends.
+
+        Caller holds the gate: new sends wait rather than overtake the re-sends.
+
+        Raises:
+            TopicNotFound: the topic was deleted.
+        """
+        attempt = 0
+        while True:
+            try:
+                await self._settle()
+                return
+            except KafkaError as exc:
+                delay = backoff.KAFKA.delay(attempt)
+                attempt += 1
+                log.warning(
+                    "refclient.producer.resend_failed",
+                    topic=self._topic.path,
+                    segments=sorted(self.pending_seals),
+                    attempt=attempt,
+                    delay=round(delay, 3),
+                    error=repr(exc),
+                )
+                await anyio.sleep(delay)
+
     def _untrack(self) -> None:
-        """Let aiokafka name only active segments in its metadata refreshes.
+        """Let aiokafka name only the segments we may still send to in its metadata refreshes.
 
         It names every topic it ever sent to in each refresh, and Kafka (tansu)
-        re-creates a named topic: a sealed segment GC deleted would come back.
+        re-creates a named topic: a sealed segment GC deleted would come back. The
+        active segments stay named, and so does every segment still tracked (a
+        sealed one not settled yet, e.g. the other parent of a merge): a topic left
+        out has no leader in aiokafka's metadata, and its queued batches would sit
+        until they expire.
         """
         layout = self._follower.layout
         if layout is not None:
-            active = [segment_topic(self._topic, s.descriptor) for s in layout.active_segments()]
-            self._kafka.client.set_topics(active)
+            named = {segment_topic(self._topic, s.descriptor) for s in layout.active_segments()}
+            named.update(
+                segment_topic(self._topic, layout.segments[sid].descriptor)
+                for sid in self._tracks
+                if sid in layout.segments
+            )
+            self._kafka.client.set_topics(sorted(named))
 
     async def _trim(self) -> int:
         """Forget acknowledged messages of segments etcd still shows active; caller holds the gate.
@@ -625,12 +691,16 @@ class Producer:
         return max(kv.mod_revision, intent_revision + 1 if sealing else 0)
 
     async def _run_sealer(self) -> None:
-        """Settle sealed segments as soon as the layout shows them, even if nobody sends."""
+        """Settle sealed segments as soon as the layout shows them, even if nobody sends.
+
+        A re-send Kafka refuses is logged and retried on the Kafka backoff: the
+        sealer never dies of it (it would take the producer down).
+        """
         while True:
             await self._signal.wait_for(self._needs_settle)
             async with self._gate:
                 try:
-                    await self._settle()
+                    await self._settle_retrying()
                 except TopicNotFound:
                     log.warning("refclient.producer.topic_gone", topic=self._topic.path)
 
