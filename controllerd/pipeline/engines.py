@@ -65,6 +65,7 @@ from controllerd.pipeline.simulate import (
     Timeline,
     simulate,
 )
+from controllerd.pipeline.traces import report_skipped
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, Variant
 
 if TYPE_CHECKING:
@@ -550,7 +551,7 @@ def history_rows(
     else:
         bad = loads.where(~ok).count()  # one scan, as import_history counts on one machine
         if bad:
-            print(f"controllerd: {root}: skipped {bad} malformed load rows", file=sys.stderr)
+            report_skipped(root, bad, "load rows")
     loads = loads.where(ok)
     if max_hours is not None:
         first = F.min("t_ms").over(Window.partitionBy("topic"))
