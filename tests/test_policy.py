@@ -1001,6 +1001,56 @@ def test_next_decision_time_is_when_a_window_or_cooldown_runs_out() -> None:
     assert next_decision_ms(layout_of(1), {}, OURS, NOW) is None
 
 
+@pytest.mark.parametrize("factor", [1.1, 1.3, 1.6, 1.8])
+def test_a_wake_at_an_epoch_stamp_is_the_first_ms_decide_acts_not_one_before(
+    factor: float,
+) -> None:
+    """since + window summed in floats rounds at epoch stamps (1.76e12 + 7920000.000000001
+    gave ...7920000): the wake came 1 ms early, decide still waited, and the next wake
+    listed was the backoff's decay a day later. The daemon and the replay sleep on it."""
+    since = 1_760_000_000_000
+    policy = PolicySettings(merge_backoff_factor=factor, load_ttl_seconds=0)
+    flipped = LoadSample(Rates(1.0, 1.0, 1.0, 1.0), since, flipflops=1, last_flipflop_ms=since)
+    loads = {0: flipped, 1: flipped}
+    wake = next_decision_ms(layout_of(2), loads, policy, since + 1_000)
+    assert wake is not None
+    assert isinstance(decide(layout_of(2), loads, {}, policy, wake - 1), NoAction)
+    assert isinstance(decide(layout_of(2), loads, {}, policy, wake), Merge)
+
+
+def test_a_cooldown_of_a_fraction_of_a_ms_wakes_when_it_has_run_out() -> None:
+    """16.1 s is 16100.000000000002 ms: the wake must be the ms the cooldown ends by
+    decide's own test, not a ms before it."""
+    since = 1_760_000_000_000
+    policy = PolicySettings(split_cooldown_seconds=16.1, range_split_cooldown=False)
+    hot = {0: sample(20_000, changed=since)}
+    wake = next_decision_ms(layout_of(1), hot, policy, since + 1_000, last_split_ms=since)
+    assert wake is not None
+    assert isinstance(decide(layout_of(1), hot, {}, policy, wake - 1, since), NoAction)
+    assert isinstance(decide(layout_of(1), hot, {}, policy, wake, since), Split)
+
+
+def test_a_stored_peak_that_is_not_a_finite_number_drops_its_range() -> None:
+    """float() took "inf", "nan" and "1e999" as peaks: decide then raised OverflowError
+    sizing a split to the peak, or held a merge back on NaN."""
+    for bad in ('"inf"', '"nan"', "1e999", "true", "-1"):
+        raw = json.loads(f'{{"0": {{"peaks": [[[1000, {bad}]], [], [], []]}}, "1": {{}}}}')
+        assert TopicHistory.from_json(raw).to_json() == TopicHistory.from_json({"1": {}}).to_json()
+
+
+@pytest.mark.parametrize(
+    ("override", "setting"),
+    [
+        ({"mergeBackoffFactor": 1e60}, "merge_backoff_factor"),
+        ({"mergeBackoffDecaySeconds": 1e306}, "merge_backoff_decay_seconds"),
+    ],
+)
+def test_a_backoff_that_would_overflow_is_refused(override: dict[str, float], setting: str) -> None:
+    """Both passed validation (only finiteness was checked) and made decide raise."""
+    resolved = resolve_policy(OURS, override)
+    assert isinstance(resolved, PolicyInvalid) and setting in str(resolved)
+
+
 def test_may_act_is_false_only_when_nothing_can_ever_be_decided() -> None:
     assert not may_act(layout_of(1), {0: warm()}, {}, OURS)
     assert not may_act(layout_of(2), {0: cold(), 1: warm()}, {}, OURS)

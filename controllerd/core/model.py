@@ -435,11 +435,15 @@ class PolicySettings:
                 bad(name, f"between 0 and {MAX_POLICY_SECONDS:,} (ten years)", value)
         if not self.merge_combined_max_ratio > 0:
             bad("merge_combined_max_ratio", "> 0", self.merge_combined_max_ratio)
-        if not (self.merge_backoff_factor >= 1 and math.isfinite(self.merge_backoff_factor)):
-            bad("merge_backoff_factor", "a finite number >= 1", self.merge_backoff_factor)
+        if not 1 <= self.merge_backoff_factor <= MAX_BACKOFF_FACTOR:  # also NaN
+            bad(
+                "merge_backoff_factor",
+                f"between 1 and {MAX_BACKOFF_FACTOR:g}",
+                self.merge_backoff_factor,
+            )
         decay = self.merge_backoff_decay_seconds
-        if not (decay > 0 and math.isfinite(decay)):
-            bad("merge_backoff_decay_seconds", "a finite number > 0", decay)
+        if not 0 < decay <= MAX_POLICY_SECONDS:
+            bad("merge_backoff_decay_seconds", f"> 0 and at most {MAX_POLICY_SECONDS:,}", decay)
         split, merge = self.split_thresholds, self.merge_thresholds
         for attr in ("msg_rate_in", "byte_rate_in", "msg_rate_out", "byte_rate_out"):
             s, m = getattr(split, attr), getattr(merge, attr)
@@ -457,6 +461,10 @@ MAX_POLICY_SECONDS: Final = 315_360_000
 
 MAX_BACKOFF_STEPS: Final = 6
 """At most this many flip-flops lengthen a merge window (factor ** 6 at most)."""
+
+MAX_BACKOFF_FACTOR: Final = 100.0
+"""Largest ``merge_backoff_factor``: 100 ** 6 times a ten-year window is still a finite
+number of ms (a factor of 1e60 overflowed the window's float, and decide raised)."""
 
 PULSAR_PARITY: Final[Mapping[str, Any]] = {
     "max_split_fanout": 2,

@@ -1139,26 +1139,23 @@ def next_decision_ms(
     """
     if isinstance(policy, PolicyInvalid) or not policy.enabled:
         return None
-    found: list[float] = []
+    found: list[int] = []
 
-    def at_or_after(t: float) -> None:  # a ">=" condition turns true at t
-        if t > now_ms:
-            found.append(math.ceil(t))
-
-    def after(t: float) -> None:  # a ">" condition turns true just after t
-        if math.floor(t) + 1 > now_ms:
-            found.append(math.floor(t) + 1)
+    def at_or_after(base: int, duration_ms: float = 0.0) -> None:
+        # "now - base >= duration" turns true here (see _ends_ms)
+        if (t := _ends_ms(base, duration_ms)) > now_ms:
+            found.append(t)
 
     split_ms = policy.split_cooldown_seconds * 1000.0
     if last_split_ms is not None and last_split_ms >= 0:
-        at_or_after(last_split_ms + split_ms)
+        at_or_after(last_split_ms, split_ms)
     if last_merge_ms is not None and last_merge_ms >= 0:
-        at_or_after(last_merge_ms + policy.merge_cooldown_seconds * 1000.0)
+        at_or_after(last_merge_ms, policy.merge_cooldown_seconds * 1000.0)
     active = layout.active_segments()
     for seg in active:
         if policy.range_split_cooldown and len(seg.parent_ids) <= 1:
             at_or_after(seg.created_at_ms)
-            at_or_after(seg.created_at_ms + split_ms)
+            at_or_after(seg.created_at_ms, split_ms)
         sample = loads.get(seg.segment_id)
         if sample is not None:
             found.extend(_record_wakes(sample, policy, now_ms))
@@ -1169,7 +1166,15 @@ def next_decision_ms(
                 roomy = _headroom_ms(sa, sb, policy, now_ms)
                 if roomy is not None:
                     found.append(roomy)
-    return int(min(found)) if found else None
+    return min(found) if found else None
+
+
+def _ends_ms(base: int, duration_ms: float) -> int:
+    """The first whole ms at which ``now - base >= duration_ms`` holds. Exact: the sum
+    ``base + duration_ms`` in floats rounds at epoch stamps (1.76e12 + 7920000.000000001
+    gives 1760007920000.0), and a wake 1 ms early found the condition still false and
+    was dropped as past: the merge or split waited for an unrelated later wake."""
+    return base + math.ceil(duration_ms)
 
 
 def _headroom_ms(sa: LoadSample, sb: LoadSample, policy: PolicySettings, now_ms: int) -> int | None:
@@ -1193,22 +1198,36 @@ def _record_wakes(sample: LoadSample, policy: PolicySettings, now_ms: int) -> li
     record: its merge window ends, it goes stale, its backoff forgets a flip-flop."""
     found: list[int] = []
     since = sample.cold_since_ms if sample.cold_since_ms is not None else sample.changed_at_ms
-    ends = since + merge_window_ms(sample, policy, now_ms)  # a ">=" turns true at its ceiling
+    ends = _ends_ms(since, merge_window_ms(sample, policy, now_ms))
     if ends > now_ms:
-        found.append(math.ceil(ends))
+        found.append(ends)
     ttl_ms = policy.load_ttl_seconds * 1000.0
     if ttl_ms > 0 and sample.sampled_at_ms is not None:
-        stale = math.floor(sample.sampled_at_ms + ttl_ms) + 1  # a ">" turns true just after
+        # "now - sampled > ttl" turns true just after it (integers, exact as in _ends_ms)
+        stale = sample.sampled_at_ms + math.floor(ttl_ms) + 1
         if stale > now_ms:
             found.append(stale)
     if policy.merge_backoff_factor > 1.0 and sample.flipflops > 0:
         last = sample.last_flipflop_ms
         if last is not None:  # a flip-flop stamped ahead of now_ms: from `last` on
-            decay_ms = policy.merge_backoff_decay_seconds * 1000.0
-            step = last + max(0, (now_ms - last) // decay_ms + 1) * decay_ms
-            if step > now_ms:
-                found.append(math.ceil(step))
+            forgets = _next_calm_ms(last, policy, now_ms)
+            if forgets > now_ms:
+                found.append(forgets)
     return found
+
+
+def _next_calm_ms(last_flipflop_ms: int, policy: PolicySettings, now_ms: int) -> int:
+    """The first ms after ``now_ms`` at which :func:`_calm_periods` counts one more period,
+    by that function's own arithmetic: a product of floats rounded either way would
+    wake a ms early (the wake then dropped as past) or late."""
+    decay_ms = policy.merge_backoff_decay_seconds * 1000.0
+    want = _calm_periods(last_flipflop_ms, policy, now_ms) + 1
+    at = max(now_ms + 1, last_flipflop_ms + math.ceil(want * decay_ms))
+    while at - 1 > now_ms and _calm_periods(last_flipflop_ms, policy, at - 1) >= want:
+        at -= 1
+    while _calm_periods(last_flipflop_ms, policy, at) < want:
+        at += 1
+    return at
 
 
 def next_ripe_ms(
@@ -1408,7 +1427,8 @@ class TopicHistory:
             try:
                 sid = int(key)
                 peaks = tuple(
-                    deque((_stamp(t), float(v)) for t, v in queue) for queue in raw.get("peaks", [])
+                    deque((_stamp(t), _finite(v)) for t, v in queue)
+                    for queue in raw.get("peaks", [])
                 )
                 last = raw.get("lastFlipflopMs")
                 state = _Range(
@@ -1530,7 +1550,7 @@ def _count(value: Any) -> int:
 
 
 def _finite(value: Any) -> float:
-    """A stored rise: a finite number >= 0, else ValueError (the range is dropped)."""
+    """A stored rise or peak: a finite number >= 0, else ValueError (the range is dropped)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"not a number: {value!r}")
     number = float(value)
