@@ -366,6 +366,23 @@ async def behind_a_proxy(
         yield h, proxy
 
 
+PROBE_KEY = "/controllerd-test-probe"  # read only to learn that etcd answers
+
+
+async def _pass_again(proxy: TcpProxy, through: Store) -> None:
+    """Heal the proxy and wait until the store behind it reads again: its channel
+    reconnects on grpc's own backoff, which a loaded host stretches past one retry
+    round (a GC round would then find the markers unreadable and end early)."""
+    await proxy.set_mode("pass")
+    with anyio.fail_after(30):
+        while True:
+            try:
+                await through.get(PROBE_KEY)
+                return
+            except store_module.StoreError:
+                continue
+
+
 class RefusedMarkerClear(Controller):
     """Cuts etcd (its proxy) just before each write that clears a pending-delete marker,
     while ``armed``: the broker has deleted the data, etcd refuses the cleanup."""
@@ -397,9 +414,9 @@ async def test_etcd_refusing_a_marker_cleanup_is_retried_and_never_stops_the_dae
         await h.clock.advance(700.0)
         with structlog.testing.capture_logs() as logs:
             await h.controller.gc_round()  # pruned and deleted; the cleanup is refused
-            await proxy.set_mode("pass")
+            await _pass_again(proxy, h.store)
             await h.controller.gc_round()  # the marker is retried, refused again
-            await proxy.set_mode("pass")
+            await _pass_again(proxy, h.store)
         assert (TOPIC, parent.descriptor) in h.broker_state.deleted_segments
         assert await store.get(marker) is not None
         assert [e["event"] for e in logs].count("gc.marker.clear_failed") == 2

@@ -196,6 +196,38 @@ def test_time_cv_cuts_every_trace_in_two() -> None:
     assert max(first.t_ms) < min(second.t_ms)
 
 
+def test_the_training_part_is_scaled_by_its_own_peak_and_the_test_part_alike() -> None:
+    """Both parts were cut from a series scaled by its whole peak: a spike in the test
+    part flattened the training part, so what was chosen depended on held-out data."""
+
+    def cut(tail: list[float]) -> tuple[Trace, Trace]:
+        values = [10.0, 50.0, 100.0, 20.0, *tail]
+        factor = 40_000.0 / max(values)  # scaled as traces.series_trace does, peak 4x
+        rates = [(v * factor, v * factor * 2, v * factor, v * factor * 2) for v in values]
+        t_ms = [T0 + i * 300_000 for i in range(len(values))]
+        first, second = split_in_time([Trace("t", "series", t_ms, [0] * 8, [9] * 8, rates)], 0.45)
+        return first, second
+
+    for tail in ([10.0, 20.0, 30.0, 100.0], [10.0, 20.0, 30.0, 1000.0]):
+        train, test = cut(tail)
+        assert [r[0] for r in train.rates] == pytest.approx([4000, 20000, 40000, 8000])
+        assert test.rates[-1][0] == pytest.approx(400 * tail[-1])  # the training scale
+        assert train.rates[1][1] == pytest.approx(2 * train.rates[1][0])
+
+
+@pytest.mark.parametrize(
+    ("base_ops", "ops", "slack"),
+    [(4, 2, 1.0), (4, 3, 0.0), (10, 5, 1.0), (10, 7, 0.5), (1, 0, 1.0), (2, 1, 1.0), (2, 2, -1.0)],
+)
+def test_operations_slack_is_one_at_half_the_baseline_whatever_its_size(
+    base_ops: int, ops: int, slack: float
+) -> None:
+    """It was 1 - 2/base at half (0.5 for a baseline of 4), which could flip a choice,
+    and zero operations against a baseline of 1 scored as just at the bar."""
+    m = metrics([("a", "pip483", 1.0, 1.0, base_ops, 0), ("a", "x", 1.0, 0.0, ops, 0)])
+    assert score(m, "x", ["a"]).slack["operations"] == pytest.approx(slack)
+
+
 def test_the_snippet_is_valid_policy_toml_with_only_what_differs() -> None:
     base = controllerd()
     tuned = dataclasses.replace(

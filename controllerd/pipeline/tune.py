@@ -25,10 +25,11 @@ held-out ones, per fold:
 * ``group`` — leave one input out: each ``--traces`` path (a trace set) is held
   out once, e.g. choose on ``nab`` and test on ``aws``;
 * ``time:F`` — every trace is cut at fraction F of its duration; choose on the
-  first parts, test on the rest.
+  first parts (each series scaled by its own first part's peak), test on the rest.
 
 The out-of-sample figures pool each fold's held-out traces under that fold's
-choice. The settings printed at the end are the choice on *all* traces (what
+choice. The settings printed at the end are the choice on *all* traces (with
+``time:F``, on the first parts; what
 the shipped defaults should be), with the out-of-sample figures as the
 estimate of how they do on traffic they were not chosen on.
 """
@@ -255,15 +256,24 @@ def _score(
     slack = {
         "excess": (cut - t.min_excess_cut) / (1.0 - t.min_excess_cut),
         "cost": min(1.0, (t.max_cost_ratio - ratio) / (t.max_cost_ratio - 1.0)),
-        # "fewer": the bar is one operation less than the baseline's; half as many is 1.
-        "operations": min(1.0, (base_ops - 1 - ops) / (base_ops / 2))
-        if base_ops
-        else (1.0 if ops == 0 else -1.0),
+        "operations": _operations_slack(ops, base_ops),
         "flipflops": (allowed_ff - ff) / allowed_ff
         if allowed_ff > 0
         else (1.0 if ff == 0 else -ff),
     }
     return Score(variant, count, cut, ratio, ops, base_ops, ff, base_ff, slack)
+
+
+def _operations_slack(ops: int, base_ops: int) -> float:
+    """0 at the bar ("fewer": one operation less than the baseline's), 1 at half the
+    baseline's count or fewer, linear between (it was ``1 - 2/base`` at half: 0.5 for
+    a baseline of 4, and zero operations on a baseline of 1 scored as at the bar)."""
+    if not base_ops:
+        return 1.0 if ops == 0 else -1.0
+    bar, best = base_ops - 1, base_ops / 2
+    if best >= bar:  # a baseline of 1 or 2: the bar is already half
+        return 1.0 if ops <= bar else float(bar - ops)
+    return min(1.0, (bar - ops) / (bar - best))
 
 
 def choose(
@@ -327,12 +337,26 @@ TEST: Final = "@test"
 
 
 def split_in_time(traces: Sequence[Trace], fraction: float) -> list[Trace]:
-    """Each trace cut at ``fraction`` of its duration into ``name@train`` and ``name@test``."""
+    """Each trace cut at ``fraction`` of its duration into ``name@train`` and ``name@test``.
+
+    A series was scaled by its whole peak; both parts are scaled again so that the
+    first part's peak is that target, the test part by the same factor. Scaled by a
+    peak in the test part, the training part's load (and every figure chosen on)
+    depended on held-out data: a spike to come made it light, or trivial.
+    """
     out: list[Trace] = []
     for trace in traces:
         cut = trace.t_ms[0] + fraction * (trace.t_ms[-1] - trace.t_ms[0])
         first = [i for i, t in enumerate(trace.t_ms) if t <= cut]
         rest = [i for i, t in enumerate(trace.t_ms) if t > cut]
+        rates = trace.rates
+        if trace.kind == "series" and first:
+            peak = max(r[0] for r in rates)
+            train_peak = max(rates[i][0] for i in first)
+            if train_peak <= 0:
+                raise ValueError(f"trace {trace.name} has no load before the cut at {fraction:g}")
+            again = peak / train_peak
+            rates = [(a * again, b * again, c * again, d * again) for a, b, c, d in rates]
         for suffix, rows in ((TRAIN, first), (TEST, rest)):
             if not rows:
                 raise ValueError(f"trace {trace.name} is too short to cut at {fraction:g}")
@@ -344,7 +368,7 @@ def split_in_time(traces: Sequence[Trace], fraction: float) -> list[Trace]:
                     [trace.t_ms[i] for i in rows],
                     [trace.start[i] for i in rows],
                     [trace.end[i] for i in rows],
-                    [trace.rates[i] for i in rows],
+                    [rates[i] for i in rows],
                     [buckets[i] for i in rows] if buckets is not None else None,
                 )
             )
