@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Any, Final, Union, get_args, get_origin, get_type_hints
 
 from controllerd.core.model import PolicySettings
+from controllerd.errors import first_line
 
 if TYPE_CHECKING:
     import os
@@ -552,10 +553,6 @@ def _build(base: Any, table: dict[str, Any], path: str, errs: list[str]) -> Any:
     return replace(base, **changes)
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-
-
 # --- environment overrides -------------------------------------------------
 
 
@@ -666,7 +663,7 @@ def load(text: str, env: Mapping[str, str] | None = None) -> Config:
     except (ValueError, RecursionError) as exc:
         # TOMLDecodeError is a ValueError; so is an integer of more than 4,300 digits,
         # and nesting thousands deep exhausts the parser's recursion.
-        raise ConfigError([f"invalid TOML: {_first_line(exc)}"]) from None
+        raise ConfigError([f"invalid TOML: {first_line(exc, 300)}"]) from None
     errs: list[str] = []
     sources = _apply_env(data, env or {}, errs)
     config: Config = _build(Config(), data, "", errs)

@@ -66,3 +66,9 @@ def internal_error_line(exc: BaseException) -> str:
     message = " ".join(str(exc).split())
     cause = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     return f"internal error: {cause} (a bug: please report it; set {DEBUG_ENV}=1 for the traceback)"
+
+
+def first_line(exc: BaseException, limit: int | None = None) -> str:
+    """An exception's first line (cut at ``limit``), for a one-line message: a JVM or
+    parser error goes on for pages; an empty one is named by its type."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]

@@ -1378,13 +1378,9 @@ class Controller:
             for start in range(0, len(ops), WRITE_BATCH):
                 batch = ops[start : start + WRITE_BATCH]
                 if not failed:
-                    try:
-                        await self._fenced_write(leadership, batch)
+                    if await self._state_written(leadership, batch):
                         continue
-                    except StoreError as exc:
-                        failed = True
-                        self._metrics.state_write_failures.inc()
-                        log.warning("state.write_failed", ops=len(batch), error=str(exc))
+                    failed = True
                 for op in batch:
                     self._writes.setdefault(op.key, pending[op.key])
 
@@ -1404,16 +1400,23 @@ class Controller:
                     Delete(self._keys.history(topic)),
                     Delete(self._keys.cold_since_prefix(topic), prefix=True),
                 ]
-                try:
-                    await self._fenced_write(leadership, ops)
+                if await self._state_written(leadership, ops):
                     log.info("topic.state_deleted", topic=str(topic), token=leadership.token)
                     continue
-                except StoreError as exc:
-                    failed = True
-                    self._metrics.state_write_failures.inc()
-                    log.warning("state.write_failed", ops=len(ops), error=str(exc))
+                failed = True
             self._forgotten.setdefault(topic, scope)
         return not failed
+
+    async def _state_written(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
+        """One fenced write of our own state; False (counted, logged) if etcd refused
+        it, for the caller to queue it again."""
+        try:
+            await self._fenced_write(leadership, ops)
+        except StoreError as exc:
+            self._metrics.state_write_failures.inc()
+            log.warning("state.write_failed", ops=len(ops), error=str(exc))
+            return False
+        return True
 
     async def _fenced_write(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
         """Apply ``ops`` only while ``leadership`` holds (idempotent puts/deletes)."""

@@ -48,7 +48,7 @@ import pandas as pd
 
 import controllerd
 from controllerd.core.model import Rates
-from controllerd.errors import EXIT_UNAVAILABLE, EXIT_USAGE, OperatorError
+from controllerd.errors import EXIT_UNAVAILABLE, EXIT_USAGE, OperatorError, first_line
 from controllerd.pipeline.load import (
     MAX_STAMP_MS,
     LoadSource,
@@ -436,17 +436,12 @@ def spark_session(master: str = "local[*]", app_name: str = "controllerd-backtes
         session: SparkSession = builder.getOrCreate()
     except Exception as exc:  # py4j/JVM errors have no common type; name the setting
         raise OperatorError(
-            f"cannot start Spark on {master}: {_first_line(exc)}",
+            f"cannot start Spark on {master}: {first_line(exc)}",
             exit_code=EXIT_UNAVAILABLE,
             setting="--master",
         ) from None
     session.sparkContext.setLogLevel("ERROR")
     return session
-
-
-def _first_line(exc: BaseException) -> str:
-    """A JVM error's first line (the rest is a Java stack), for a one-line message."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def missing_spark_extra() -> OperatorError:
@@ -577,7 +572,7 @@ def _loads(spark: SparkSession, root: str) -> SparkFrame:
         return spark.read.parquet(str(Path(root).resolve() / "loads"))
     except Exception as exc:  # py4j/JVM errors have no common type: name the directory
         raise OperatorError(
-            f"{root}: cannot read its load rows on Spark: {_first_line(exc)[:300]}",
+            f"{root}: cannot read its load rows on Spark: {first_line(exc, 300)}",
             exit_code=EXIT_USAGE,
             setting="--traces",
         ) from None
