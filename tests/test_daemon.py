@@ -361,3 +361,34 @@ def test_the_loop_monitor_times_the_garbage_collector() -> None:
         gc.collect()
         assert collector.seconds > 0
     assert len(gc.callbacks) == before
+
+
+def test_a_reload_that_fails_unexpectedly_is_refused_and_the_old_config_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever judging the new file raises, SIGHUP keeps the previous config: a reload
+    must never take the daemon down (the known failures are ConfigErrors; this is the
+    catch-all behind them)."""
+    from controllerd import config as config_mod
+    from controllerd.daemon.metrics import Metrics
+    from controllerd.daemon.runtime import Daemon
+
+    path = write_config(
+        tmp_path / "c.toml",
+        etcd="http://127.0.0.1:1",
+        prefix="/t/",
+        broker_url="http://127.0.0.1:1",
+        port=free_port(),
+    )
+    metrics = Metrics()
+    daemon = Daemon(str(path), {}, metrics=metrics)
+    before = daemon.config
+
+    def broken(*_: object, **__: object) -> config_mod.Config:
+        raise RuntimeError("a bug in the loader")
+
+    monkeypatch.setattr(config_mod, "load_file", broken)
+    assert daemon.reload() is False
+    assert daemon.config is before
+    assert metrics.config_reloads.labels(outcome="invalid")._value.get() == 1
+    assert metrics.operator_errors.labels(kind="config-reload")._value.get() == 1

@@ -41,6 +41,7 @@ from controllerd.refbroker import client as client_module
 from controllerd.refbroker.client import (
     Consumer,
     Message,
+    SendFailed,
     SendResult,
     deal,
     open_consumer,
@@ -468,6 +469,72 @@ async def test_producer_keeps_resends_that_kafka_refused_and_retries_them(
             mine = [n for n in names if rng.start <= key_hash(n.encode()) <= rng.end]
             expected = [kv(n, 0)[1] for n in mine] + [kv(n, 1)[1] for n in mine]
             assert [r.value for r in await sim.records(child)] == expected
+
+
+async def test_a_send_that_meets_a_refused_resend_fails_unsent_and_the_resends_stay(
+    store: Store, etcd_prefix: str, kafka_broker: str, kafka_seams: list[KafkaSeam]
+) -> None:
+    """A send that gets the gate before the sealer settles the seal itself; when Kafka
+    refuses a re-send there, that send fails with SendFailed and sends nothing, and the
+    re-sends stay pending (for the sealer, in order) rather than being lost.
+
+    Made deterministic with the gate's FIFO order: ``a`` holds the gate (its own send
+    waits in aiokafka), ``b`` queues behind it, and only then does the split arrive, so
+    the sealer queues behind ``b``."""
+    key = "k0"
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+            (seam,) = kafka_seams
+            assert await producer.send(*kv(key, 0)) == SendResult(0, 0)
+            parent = sim.kafka_topic(0)
+            hold_a, a_waits = anyio.Event(), anyio.Event()
+            refusing = True
+            refused = 0
+
+            async def seam_hook(topic: str) -> None:
+                nonlocal refused
+                if topic == parent and not a_waits.is_set():
+                    a_waits.set()
+                    await hold_a.wait()  # ``a`` holds the gate meanwhile
+                elif topic != parent and refusing:
+                    refused += 1
+                    raise UnknownTopicOrPartitionError()
+
+            seam.before_send = seam_hook
+            failed: list[BaseException] = []
+
+            async def send_b() -> None:
+                try:
+                    await producer.send(*kv(key, 2))
+                except SendFailed as exc:
+                    failed.append(exc)
+
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(producer.send, *kv(key, 1))
+                    await a_waits.wait()
+                    tg.start_soon(send_b)
+                    await eventually(lambda: producer._gate.statistics().tasks_waiting == 1)
+                    await sim.write_layout(split(sim.layout, 0, now_ms=1))  # children 1, 2
+                    await sim.seal(0, end=0)  # every message landed beyond it
+                    follower = producer._follower  # no public view of what the watch applied
+                    await eventually(lambda: follower.layout == sim.layout and 0 in follower.seals)
+                    hold_a.set()
+                assert len(failed) == 1 and "re-send before this message" in str(failed[0])
+                assert refused >= 1
+                assert producer.pending_seals == {0}  # nothing settled, nothing lost
+                refusing = False
+                await producer.flush()
+            assert producer.stats[0].resent == 2
+        child = next(
+            c
+            for c in (1, 2)
+            if sim.layout.segments[c].hash_range.start
+            <= key_hash(key.encode())
+            <= sim.layout.segments[c].hash_range.end
+        )
+        # m0 and m1 re-sent in order; m2 was never sent.
+        assert [r.value for r in await sim.records(child)] == [kv(key, 0)[1], kv(key, 1)[1]]
 
 
 async def test_producer_keeps_naming_a_merged_parent_it_has_not_settled(
