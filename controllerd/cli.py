@@ -47,6 +47,7 @@ from controllerd.errors import (
     OperatorError,
     internal_error_line,
 )
+from controllerd.files import is_special
 from controllerd.pipeline.cli import add_commands as add_pipeline_commands
 from controllerd.refbroker.options import add_arguments as add_refbroker_arguments
 
@@ -270,9 +271,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from controllerd.daemon import runtime
 
     path = _config_path(args)
-    if path == "-":
+    if path == "-" or is_special(path):
         raise OperatorError(
-            "run needs a config file, not standard input: SIGHUP reads it again",
+            "run needs a regular config file, not standard input, a pipe or a device: "
+            "SIGHUP reads it again",
             exit_code=EXIT_USAGE,
             setting="--config",
         )

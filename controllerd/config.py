@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, Union, get_args, get_origin, get_t
 
 from controllerd.core.model import PolicySettings
 from controllerd.errors import first_line
+from controllerd.files import read_regular
 
 if TYPE_CHECKING:
     import os
@@ -682,10 +683,10 @@ def load_file(path: str | os.PathLike[str], env: Mapping[str, str] | None = None
     silently reset every setting to its default on the next SIGHUP (issue #10).
     """
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        text = read_regular(path).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path}: cannot read config file: {exc}"]) from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError([f"{path}: cannot read config file: {reason}"]) from None
     if is_empty(text):
         raise ConfigError([f"{path}: {EMPTY_FILE}"])
     return load(text, env)

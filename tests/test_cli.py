@@ -513,6 +513,29 @@ def test_run_refuses_a_config_on_standard_input(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "not standard input" in one_line(proc)
 
 
+def test_run_refuses_a_config_that_is_a_pipe(tmp_path: Path) -> None:
+    """A FIFO is read once: SIGHUP would block on it (the daemon refuses it there too)."""
+    fifo = tmp_path / "c.toml"
+    os.mkfifo(fifo)
+    proc = cli("run", "--config", str(fifo))
+    assert proc.returncode == 2 and "regular config file" in one_line(proc)
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_a_secret_that_is_not_a_regular_file_is_refused_without_reading_it(
+    tmp_path: Path, special: str
+) -> None:
+    """``/dev/zero`` never ends and a FIFO blocks until a writer comes: neither is read."""
+    if special == "fifo":
+        special = str(tmp_path / "token")
+        os.mkfifo(special)
+    config = tmp_path / "c.toml"
+    config.write_text(f'[broker]\ntoken_file = "{special}"\n', encoding="utf-8")
+    proc = cli("check-config", str(config))
+    line = one_line(proc)
+    assert proc.returncode == 1 and "broker.token_file" in line and "not a regular file" in line
+
+
 BUG = (
     "import sys, controllerd.cli as cli\n"
     "def broken(args):\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -314,6 +315,36 @@ async def test_a_bad_token_file_on_sighup_is_refused_and_the_daemon_lives_on(
     events = [e for e in leader.log_events() if e.get("event") == "config.reload.rejected"]
     assert "broker.ca_file" in events[-1]["errors"][0] and "not a PEM CA bundle" in str(events[-1])
     assert leader.alive()
+
+
+async def test_a_config_or_secret_that_is_a_pipe_or_device_on_sighup_is_refused_at_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Opening a FIFO blocks until a writer comes and ``/dev/zero`` never ends: read on
+    SIGHUP, either froze the event loop (or filled the memory). Both are refused at
+    once, and the replica goes on leading."""
+    leader = await cluster.leader()
+    original = leader.config.read_text(encoding="utf-8")
+
+    async def rejected(count: int) -> bool:
+        return (await leader.metric("controllerd_config_reloads_total", outcome="invalid")) == count
+
+    leader.config.write_text(
+        original.replace("[broker]\n", '[broker]\ntoken_file = "/dev/zero"\n', 1),
+        encoding="utf-8",
+    )
+    leader.signal(signal.SIGHUP)
+    await wait_until(functools.partial(rejected, 1))
+    events = [e for e in leader.log_events() if e.get("event") == "config.reload.rejected"]
+    assert "broker.token_file" in events[-1]["errors"][0]
+    assert "not a regular file" in events[-1]["errors"][0]
+    leader.config.unlink()
+    os.mkfifo(leader.config)
+    leader.signal(signal.SIGHUP)
+    await wait_until(functools.partial(rejected, 2))
+    events = [e for e in leader.log_events() if e.get("event") == "config.reload.rejected"]
+    assert "not a regular file" in events[-1]["errors"][0]
+    assert leader.alive() and await leader.is_leader()  # the loop answers: nothing blocked
 
 
 async def test_an_empty_config_on_sighup_is_refused_and_the_old_one_kept(

@@ -9,10 +9,10 @@ one check of every named file, for ``check-config``, start and SIGHUP alike.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from controllerd.errors import OperatorError
+from controllerd.files import read_regular
 
 if TYPE_CHECKING:
     from controllerd.config import Config
@@ -28,7 +28,7 @@ def read_secret(path: str | None, setting: str) -> str | None:
     if path is None:
         return None
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path)
     except OSError as exc:
         raise OperatorError(f"cannot read {path}: {exc.strerror or exc}", setting=setting) from None
     problem = secret_problem(data)
@@ -85,7 +85,7 @@ def config_file_errors(cfg: Config) -> list[str]:
     readable: dict[str, str] = {}
     for setting, path, kind in _referenced_files(cfg):
         try:
-            data = Path(path).read_bytes()
+            data = read_regular(path)
         except OSError as exc:
             errors.append(f"{setting}: cannot read {path}: {exc.strerror or exc}")
             continue
