@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -11,8 +12,10 @@ from types import MappingProxyType
 from typing import Any
 
 import anyio
+import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from controllerd.adapters import audit as audit_mod
 from controllerd.adapters.audit import AuditSink, open_audit
 from controllerd.config import AuditSettings
 from controllerd.core.model import Split, decision_to_json
@@ -133,3 +136,54 @@ async def test_unconfigured_sink_is_a_no_op() -> None:
         sink.publish(_record("t/ns/a", 0))
     for outcome in ("sent", "dropped", "error"):
         assert _count(metrics, outcome) == 0
+
+
+class _AcksTheFirstOnly:
+    """Stands for a broker that acknowledges one record of a batch and hangs on the next
+    (a lost response: cannot be made to happen on demand with a real broker, whose
+    acknowledgements of one request arrive together)."""
+
+    def __init__(self, **_: object) -> None:
+        self.sent = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def send(self, topic: str, value: bytes, key: bytes | None = None) -> Any:
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.sent += 1
+        if self.sent == 1:
+            future.set_result("acknowledged")
+        return future
+
+
+class _NoAdmin:
+    """An admin client whose broker cannot create topics (the sink goes on without)."""
+
+    def __init__(self, **_: object) -> None:
+        return None
+
+    async def start(self) -> None:
+        raise OSError("no admin here")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_record_sent_before_close_cuts_its_batch_short_is_not_counted_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every record is counted once: the first of a batch is sent, the close's grace runs
+    out while the second waits for its acknowledgement, and only that one is dropped."""
+    monkeypatch.setattr(audit_mod, "AIOKafkaProducer", _AcksTheFirstOnly)
+    monkeypatch.setattr(audit_mod, "AIOKafkaAdminClient", _NoAdmin)
+    metrics = Metrics()
+    settings = AuditSettings(kafka_bootstrap="127.0.0.1:9", topic="decisions")
+    async with open_audit(settings, metrics.audit_messages, close_timeout=0.2) as sink:
+        sink.publish(_record("t/ns/a", 0))
+        sink.publish(_record("t/ns/a", 1))
+        await anyio.sleep(0.2)
+    assert (_count(metrics, "sent"), _count(metrics, "dropped")) == (1, 1)

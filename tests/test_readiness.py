@@ -12,6 +12,9 @@ from pathlib import Path
 
 import anyio
 
+from controllerd import config as config_mod
+from controllerd.adapters.store import Store
+from controllerd.core.view import Keys
 from tests.support.daemon import Replica, wait_until, write_config
 from tests.support.etcd import EtcdServer, make_pki
 from tests.support.kafka import free_port
@@ -95,3 +98,29 @@ async def test_tls_etcd_without_a_client_certificate_is_not_ready(
         assert await anyio.to_thread.run_sync(replica.wait, 15.0) == 0
     finally:
         server.close()
+
+
+async def test_a_leader_name_that_no_encoder_can_write_leaves_a_standby_running(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path, store: Store
+) -> None:
+    """Garbage in etcd never takes a replica down. A leader key whose JSON names the
+    replica ``"\\ud800x"`` (a lone surrogate: valid JSON, not encodable text) used to
+    reach systemd's STATUS= line on every standby and end it with exit 70."""
+    replica = _replica(tmp_path, etcd_server.endpoint, etcd_prefix)
+    cfg = config_mod.load_file(replica.config)
+    keys = Keys(cfg.metadata_prefix, cfg.controller_root)
+    # no lease: this leader never goes, so the replica stays a standby throughout
+    await store.put(keys.leader, b'{"replica":"\\ud800x","host":"h","pid":1}')
+    try:
+        with notify_socket(tmp_path) as notify:
+            replica.env.update(notify.env)
+            replica.start()
+            await notify.expect("READY", within=20)
+            shown = [m["STATUS"] for m in notify.messages if "STATUS" in m]
+            assert any("standing by" in s and "ud800x" in s for s in shown), shown
+            await anyio.sleep(1.0)  # a few more status reports: none may end it
+            assert replica.alive()
+            assert (await replica.status() or {}).get("leader") is False
+    finally:
+        await replica.stop()
+    assert replica.proc is not None and replica.proc.returncode == 0

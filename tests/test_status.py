@@ -83,6 +83,38 @@ async def test_leader_and_fencing_token_as_json_and_table(
     assert json.loads(proc.stdout) == body
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        # a lone surrogate: valid JSON, not encodable text (the table exited 70)
+        (b'{"replica":"\\ud800x","host":"h","pid":1}', '{"replica":"\\ud800x"'),
+        # a number beyond a double: Python reads it as inf, strict parsers reject Infinity
+        (b'{"replica":"a","pid":1e999}', '{"replica":"a","pid":1e999}'),
+        # an escape sequence written by anyone with write access: shown, not obeyed
+        (b'{"replica":"a\\u001b[2Jb","host":"h"}', "a\\x1b[2Jb (host h)"),
+    ],
+    ids=["surrogate", "infinity", "escape"],
+)
+async def test_a_leader_identity_that_is_garbage_is_shown_as_text_and_json_stays_strict(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    store: Store,
+    tmp_path: Path,
+    value: bytes,
+    shown: str,
+) -> None:
+    config = write(tmp_path, etcd_server.endpoint, etcd_prefix)
+    await store.put(f"{etcd_prefix}controllerd/east/leader", value)
+    table = await status("--config", str(config), "-o", "table")
+    assert (table.returncode, table.stderr) == (0, ""), table.stderr
+    leader_line = table.stdout.splitlines()[2]
+    assert leader_line.startswith("leader") and shown in leader_line
+    assert "\x1b" not in table.stdout
+    proc = await status("--config", str(config), "-o", "json")
+    assert (proc.returncode, proc.stderr) == (0, "")
+    json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+
+
 async def test_etcd_down_is_status_3_not_the_no_leader_status(tmp_path: Path) -> None:
     config = write(tmp_path, f"http://127.0.0.1:{free_port()}", "/")
     proc = await status("--config", str(config), "--timeout", "0.5")

@@ -105,6 +105,9 @@ class _KafkaSink(AuditSink):
         self._capacity = settings.buffer_size
         self._buffer: deque[_Item] = deque()
         self._inflight: list[_Item] = []
+        #: positions in ``_inflight`` whose outcome is counted already (sent or rejected):
+        #: a close that cancels the batch midway must not count them again as dropped
+        self._counted: set[int] = set()
         self._wakeup = asyncio.Event()  # set: the buffer may be non-empty, or closing
         self._closing = asyncio.Event()
         self._drained = asyncio.Event()  # set by the sender: closing and nothing left
@@ -210,6 +213,7 @@ class _KafkaSink(AuditSink):
                 handed.append((index, await producer.send(self._topic, item.value, key=item.key)))
             except _PERMANENT as exc:
                 self._reject(exc)
+                self._counted.add(index)
             except KafkaError as exc:
                 failure = exc
                 keep.append(index)
@@ -218,12 +222,15 @@ class _KafkaSink(AuditSink):
                 await future
             except _PERMANENT as exc:
                 self._reject(exc)
+                self._counted.add(index)
             except KafkaError as exc:
                 failure = failure or exc
                 keep.append(index)
             else:
                 self._sent.inc()
+                self._counted.add(index)
         self._inflight = [self._inflight[i] for i in sorted(keep)]
+        self._counted = set()
         if failure is not None:
             raise failure
         return True
@@ -280,9 +287,10 @@ class _KafkaSink(AuditSink):
 
     def drop_remaining(self) -> None:
         """Count what the sender did not confirm (it has stopped) as dropped."""
-        left = len(self._buffer) + len(self._inflight)
+        left = len(self._buffer) + len(self._inflight) - len(self._counted)
         self._buffer.clear()
         self._inflight = []
+        self._counted = set()
         if left:
             self._dropped.inc(left)
             log.warning("audit.dropped_at_close", records=left, topic=self._topic)

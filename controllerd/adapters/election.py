@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import orjson
 import structlog
 
 from controllerd.adapters.store import (
@@ -250,7 +251,7 @@ class _Campaign:
                 log.info(
                     "election.standby",
                     key=self.key,
-                    leader=_identity(holder.value),
+                    leader=parse_identity(holder.value),
                     leader_token=holder.create_revision,
                     lease=lease.id,
                 )
@@ -284,10 +285,16 @@ async def _cancel_on(event: anyio.Event, scope: anyio.CancelScope) -> None:
     scope.cancel()
 
 
-def _identity(value: bytes) -> dict[str, Any]:
+def parse_identity(value: bytes) -> dict[str, Any]:
+    """A replica's identity JSON as the election wrote it; anything else as text.
+
+    Strict JSON only (orjson): a lone surrogate escape (``"\\ud800"``), NaN or a
+    number beyond a double would otherwise come through, and the first is a string
+    no encoder can write (a STATUS= to systemd raised on it and ended the daemon).
+    """
     try:
-        decoded = json.loads(value)
-    except ValueError:
+        decoded = orjson.loads(value)
+    except orjson.JSONDecodeError:
         decoded = None
     if isinstance(decoded, dict):
         return decoded
@@ -297,7 +304,7 @@ def _identity(value: bytes) -> dict[str, Any]:
 async def current_leader(store: Store, key: str) -> tuple[dict[str, Any], int] | None:
     """The current leader's identity and fencing token, or None if nobody leads."""
     kv = await store.get(key)
-    return None if kv is None else (_identity(kv.value), kv.create_revision)
+    return None if kv is None else (parse_identity(kv.value), kv.create_revision)
 
 
 class _Term:

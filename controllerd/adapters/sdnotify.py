@@ -34,7 +34,8 @@ def notify(state: str) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sock.setblocking(False)
-            sock.sendto(state.encode(), address)
+            # STATUS= text may hold anything; no character may make this raise
+            sock.sendto(state.encode(errors="backslashreplace"), address)
     except OSError:
         return False
     return True

@@ -302,7 +302,7 @@ class Daemon:
         if token is not None:
             return f"leading (token {token}, {topics} topics)"
         leader = self._leader
-        who = leader[0].get("replica") if leader else None
+        who = (leader[0].get("replica") or leader[0].get("unparsed")) if leader else None
         return f"standing by (leader: {who or 'none'}, {topics} topics in view)"
 
     # -- run -----------------------------------------------------------------------------

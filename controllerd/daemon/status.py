@@ -16,7 +16,6 @@ leads, and always in sharded mode); in sharded mode also ``shards``, ``members``
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -24,6 +23,7 @@ from typing import Any, Final
 import anyio
 
 from controllerd import config as config_mod
+from controllerd.adapters.election import parse_identity
 from controllerd.adapters.secrets import read_secret
 from controllerd.adapters.store import KeyValue, Store, StoreError, StoreUnavailable, open_store
 from controllerd.core import shards as shards_mod
@@ -42,17 +42,6 @@ def election_mode(cfg: config_mod.Config) -> tuple[str, int]:
     mode = str(getattr(election, "mode", SINGLE))
     shards = int(getattr(election, "shards", shards_mod.DEFAULT_SHARDS))
     return mode, shards
-
-
-def _identity(value: bytes) -> dict[str, Any]:
-    """A replica's identity JSON as the election wrote it; anything else as text."""
-    try:
-        decoded = json.loads(value)
-    except (ValueError, RecursionError):
-        decoded = None
-    if isinstance(decoded, dict):
-        return decoded
-    return {"unparsed": value.decode(errors="replace")}
 
 
 def _name(identity: Mapping[str, Any], fallback: str) -> str:
@@ -135,7 +124,7 @@ async def _read(store: Store, cfg: config_mod.Config) -> dict[str, Any]:
     if mode != SHARDED:
         kv = await store.get(f"{root}/leader")
         if kv is not None:
-            status["leader"] = _identity(kv.value)
+            status["leader"] = parse_identity(kv.value)
             status["fencing_token"] = kv.create_revision
         return status
     members, _ = await store.get_prefix(f"{root}/members/")
@@ -153,7 +142,7 @@ def sharded_view(
         shard = shards_mod.parse_shard_name(kv.key.removeprefix(f"{root}/shards/"))
         if shard is None or shard >= shard_count:
             continue
-        identity = _identity(kv.value)
+        identity = parse_identity(kv.value)
         owners[shards_mod.shard_name(shard)] = {
             "owner": _name(identity, "?"),
             "fencing_token": kv.create_revision,
@@ -164,7 +153,7 @@ def sharded_view(
     member_rows = []
     for kv in members:
         name = kv.key.removeprefix(f"{root}/members/")
-        identity = _identity(kv.value)
+        identity = parse_identity(kv.value)
         member_rows.append({**identity, "member": name, "shards_owned": owned_by.get(name, 0)})
     member_rows.sort(key=lambda row: str(row["member"]))
     unowned = [s for s in range(shard_count) if shards_mod.shard_name(s) not in owners]
@@ -201,6 +190,15 @@ def problem(status: Mapping[str, Any], cfg: config_mod.Config) -> str | None:
     return None
 
 
+def _shown(value: object) -> str:
+    """``value`` as text safe for a terminal: it comes from etcd, where anyone with write
+    access may have put escape sequences; a character that does not print is escaped."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def render_table(status: Mapping[str, Any]) -> str:
     """The human form of :func:`read_status` (``-o table``)."""
     rows: list[tuple[str, str]] = [
@@ -213,9 +211,9 @@ def render_table(status: Mapping[str, Any]) -> str:
             rows.append(("leader", "none"))
         else:
             where = ", ".join(
-                f"{k} {leader[k]}" for k in ("host", "pid") if leader.get(k) is not None
+                f"{k} {_shown(leader[k])}" for k in ("host", "pid") if leader.get(k) is not None
             )
-            name = _name(leader, "?")
+            name = _shown(_name(leader, "?"))
             rows.append(("leader", f"{name} ({where})" if where else name))
             rows.append(("fencing token", str(status["fencing_token"])))
         return _aligned(rows)
@@ -229,10 +227,10 @@ def render_table(status: Mapping[str, Any]) -> str:
     for member in status["members"]:
         table.append(
             (
-                str(member["member"]),
+                _shown(member["member"]),
                 str(member["shards_owned"]),
-                str(member.get("host", "")),
-                str(member.get("pid", "")),
+                _shown(member.get("host", "")),
+                _shown(member.get("pid", "")),
             )
         )
     widths = [max(len(row[i]) for row in table) for i in range(4)]
