@@ -14,9 +14,12 @@ from hypothesis import strategies as st
 from controllerd.pipeline.report import (
     DAY_MS,
     REPORT_TRACES,
+    _cut,
+    _file_stems,
     daily,
     pareto_figure,
     pareto_front,
+    pct_change,
     render_report,
     trace_figure,
     verdicts,
@@ -317,3 +320,26 @@ def test_a_fleet_s_report_lists_its_worst_traces_not_every_one() -> None:
     assert f"The {REPORT_TRACES} of {count} traces with the most excess load" in table
     listed = {line.split("|")[1].strip() for line in table.splitlines() if "`pip483`" in line}
     assert listed == set(ranked)
+
+
+def test_every_trace_gets_plot_files_of_its_own() -> None:
+    """``x y`` and ``x_y`` made the same file name, a trace ``pareto`` shared the Pareto
+    plot's, and ``a-peak`` would share ``a``'s zoom: each wrote over the other's plot."""
+    stems = _file_stems(["x y", "x_y", "pareto", "a", "a-peak", "x_y-2"])
+    names = [f"{s}{end}.png" for s in stems.values() for end in ("", "-peak")]
+    assert len(set(names)) == len(names) and "pareto.png" not in names
+    assert stems["x y"] == "x_y" and stems["a"] == "a"  # the first keeps its plain name
+
+
+@pytest.mark.parametrize(
+    ("cut", "shown"),
+    [(0.0, "+0.0%"), (-0.0, "+0.0%"), (1e-9, "+0.0%"), (0.5, "-50.0%"), (-0.25, "+25.0%")],
+)
+def test_a_change_reads_as_what_it_is(cut: float, shown: str) -> None:
+    assert pct_change(cut) == shown
+
+
+def test_excess_load_where_the_baseline_had_none_is_shown_as_more() -> None:
+    assert pct_change(_cut(5.0, 0.0)) == "more (baseline: none)"
+    assert pct_change(_cut(0.0, 0.0)) == "+0.0%"
+    assert pct_change(float("nan")) == "n/a"

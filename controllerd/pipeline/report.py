@@ -223,8 +223,15 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     return lines
 
 
-def _pct(x: float) -> str:
-    return "n/a" if not math.isfinite(x) else f"{-100 * x:+.1f}%"
+def pct_change(cut: float) -> str:
+    """A cut (0.6 = 60% less) as a signed change: ``-60.0%``. No cut reads ``+0.0%``
+    (not ``-0.0%``, which reads as one); more where the baseline had none (a cut of
+    -inf) says so rather than ``n/a``."""
+    if cut == -math.inf:
+        return "more (baseline: none)"
+    if not math.isfinite(cut):
+        return "n/a"
+    return f"{round(-100 * cut, 1) + 0.0:+.1f}%"
 
 
 def render_report(
@@ -254,7 +261,7 @@ def render_report(
     for name, r in tot.items():
         vs_cost = f"{r['segment_hours'] / base['segment_hours']:.3f}x" if base is not None else ""
         vs_excess = (
-            _pct(_cut(r["excess_load"], base["excess_load"]))
+            pct_change(_cut(r["excess_load"], base["excess_load"]))
             if base is not None and name != baseline
             else ""
         )
@@ -310,8 +317,8 @@ def render_report(
             vrows.append(
                 [
                     f"`{v.variant}`",
-                    f"{_pct(v.excess_cut)} {mark('excess')}",
-                    f"{_pct(v.late_excess_cut)}",
+                    f"{pct_change(v.excess_cut)} {mark('excess')}",
+                    f"{pct_change(v.late_excess_cut)}",
                     f"{v.cost_ratio:.3f}x {mark('cost')}",
                     f"{v.operations} vs {v.baseline_operations} {mark('operations')}",
                     f"{v.flipflops} {mark('flipflops')}",
@@ -344,8 +351,8 @@ def render_report(
         ["variant", "segment_hours", "excess_load"],
         [[f"`{n}`", f"{points[n][0]:.1f}", f"{points[n][1]:.1f}"] for n in front],
     )
-    if plots and "pareto" in plots:
-        lines += ["", f"![Pareto front]({plots['pareto'][0]})"]
+    if plots and PARETO in plots:
+        lines += ["", f"![Pareto front]({plots[PARETO][0]})"]
 
     lines += ["", "## Per trace", ""]
     names = metrics["trace"].unique()
@@ -391,7 +398,7 @@ def render_report(
     if plots:
         lines += ["", "## Plots", ""]
         for trace, files in plots.items():
-            if trace == "pareto":
+            if trace == PARETO:
                 continue
             lines += [f"### {trace}", ""] + [f"![{trace}]({f})" for f in files] + [""]
     return "\n".join(lines).rstrip() + "\n"
@@ -539,30 +546,52 @@ def plot_pareto(
     pareto_figure(points, front).savefig(path, dpi=90)
 
 
+PARETO: Final = "\x00pareto"
+"""The key of the Pareto plot in :func:`write_plots`' answer: no trace can be named so."""
+
+
+def _file_stems(traces: Sequence[str]) -> dict[str, str]:
+    """A distinct file stem per trace (``<stem>.png`` and ``<stem>-peak.png``): the name
+    with what a file name should not hold replaced, and ``-2``, ``-3`` ... where that
+    would take a name already given (``x y`` and ``x_y``; ``a-peak`` after ``a``'s
+    zoom; ``pareto``, the Pareto plot's)."""
+    taken = {"pareto.png"}
+    stems: dict[str, str] = {}
+    for trace in traces:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(trace))
+        stem, n = safe, 1
+        while f"{stem}.png" in taken or f"{stem}-peak.png" in taken:
+            n += 1
+            stem = f"{safe}-{n}"
+        taken.update((f"{stem}.png", f"{stem}-peak.png"))
+        stems[trace] = stem
+    return stems
+
+
 def write_plots(results: pd.DataFrame, out: Path) -> dict[str, list[str]]:
     """PNG files per trace that has timelines (whole run, and around its steepest rise;
-    a replay with ``timeline_points=0`` has none) and the Pareto plot."""
+    a replay with ``timeline_points=0`` has none) and the Pareto plot (key :data:`PARETO`)."""
     plot_dir = out / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
     files: dict[str, list[str]] = {}
     records = _records(results[results["tl_t_ms"].map(len) > 0])  # not all of a fleet's
-    for trace in dict.fromkeys(r["trace"] for r in records):
-        rows = [r for r in records if r["trace"] == trace]
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(trace))
+    traces = list(dict.fromkeys(str(r["trace"]) for r in records))
+    for trace, stem in _file_stems(traces).items():
+        rows = [r for r in records if str(r["trace"]) == trace]
         whole = [(str(r["variant"]), timeline_of(r, "tl")) for r in rows]
         zoom = [(str(r["variant"]), timeline_of(r, "zoom")) for r in rows]
-        plot_trace(str(trace), whole, plot_dir / f"{safe}.png")
+        plot_trace(trace, whole, plot_dir / f"{stem}.png")
         plot_trace(
-            str(trace),
+            trace,
             zoom,
-            plot_dir / f"{safe}-peak.png",
+            plot_dir / f"{stem}-peak.png",
             " (6 h around its steepest rise from a light load, every minute)",
         )
-        files[str(trace)] = [f"plots/{safe}.png", f"plots/{safe}-peak.png"]
+        files[trace] = [f"plots/{stem}.png", f"plots/{stem}-peak.png"]
     tot = totals(results[["trace", "variant", *METRIC_COLUMNS]])
     points = {n: (r["segment_hours"], r["excess_load"]) for n, r in tot.items()}
     plot_pareto(points, pareto_front(points), plot_dir / "pareto.png")
-    files["pareto"] = ["plots/pareto.png"]
+    files[PARETO] = ["plots/pareto.png"]
     return files
 
 

@@ -48,7 +48,7 @@ import pandas as pd
 from controllerd.config import AutoscaleSettings, GcSettings, LoadReportSettings
 from controllerd.core.model import PolicySettings
 from controllerd.pipeline.load import Trace
-from controllerd.pipeline.report import BASELINE, REPORT_TRACES, Targets
+from controllerd.pipeline.report import BASELINE, REPORT_TRACES, Targets, pct_change
 from controllerd.pipeline.variants import Variant
 
 SUMMED: Final = ("segment_hours", "excess_load", "operations", "flipflops")
@@ -517,15 +517,11 @@ def toml_snippet(variant: Variant) -> str:
 # --- report -------------------------------------------------------------------------------
 
 
-def _pct(x: float) -> str:
-    return "n/a" if not math.isfinite(x) else f"{-100 * x:+.1f}%"
-
-
 def _cells(s: Score) -> list[str]:
     met = s.met
     mark = {k: "✅" if ok else "❌" for k, ok in met.items()}
     return [
-        f"{_pct(s.excess_cut)} {mark['excess']}",
+        f"{pct_change(s.excess_cut)} {mark['excess']}",
         f"{s.cost_ratio:.3f}x {mark['cost']}",
         f"{s.operations} vs {s.base_operations} {mark['operations']}",
         f"{s.flipflops} vs {s.base_flipflops} {mark['flipflops']}",
