@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 
+import orjson
 import pytest
 
 from controllerd.core.layout import initial_layout, merge, prune, split
@@ -763,8 +764,13 @@ def test_merge_undo_respects_the_fanout_and_survives_a_new_leader() -> None:
     again = TopicHistory.from_json(stored)
     d = decide(gone, {6: again.annotate(6, sample(12_000), NOW, OURS)}, {}, OURS, NOW)
     assert isinstance(d, Split) and d.boundaries == (0x4000, 0x8000, 0xC000)
-    for bad in (True, -1, 2.5, "4"):
+    for bad in (True, -1, 2.5, "4", 2**63):
         assert 6 not in TopicHistory.from_json({"6": {**stored["6"], "merged": bad}})
+    # A count beyond 64 bits failed the next write of the history (orjson), which
+    # follows every layout change: the leader exited on it, and again after a restart.
+    for bad in (1e20, 2**64, -1, 2.5, True):
+        assert 6 not in TopicHistory.from_json({"6": {**stored["6"], "flipflops": bad}})
+    orjson.dumps(TopicHistory.from_json(stored).to_json())
     # ... and so does controllerd decide's LOAD.json.
     record = load_sample_to_json(hot[6])
     assert record["merged"] == 4

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 import anyio
+import pytest
 
 from controllerd import config as config_mod
 from controllerd.adapters.store import Store
@@ -100,24 +101,38 @@ async def test_tls_etcd_without_a_client_certificate_is_not_ready(
         server.close()
 
 
-async def test_a_leader_name_that_no_encoder_can_write_leaves_a_standby_running(
-    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path, store: Store
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (b'{"replica":"\\ud800x","host":"h","pid":1}', "ud800x"),
+        (b'{"replica":' + b'{"a":' * 1000 + b"1" + b"}" * 1001, '{"replica":{"a":{"a":'),
+    ],
+    ids=["surrogate", "nested"],
+)
+async def test_a_leader_identity_that_cannot_be_shown_leaves_a_standby_running(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    tmp_path: Path,
+    store: Store,
+    value: bytes,
+    shown: str,
 ) -> None:
     """Garbage in etcd never takes a replica down. A leader key whose JSON names the
-    replica ``"\\ud800x"`` (a lone surrogate: valid JSON, not encodable text) used to
-    reach systemd's STATUS= line on every standby and end it with exit 70."""
+    replica ``"\\ud800x"`` (a lone surrogate: valid JSON, not encodable text) reached
+    systemd's STATUS= line on every standby and ended it with exit 70; so did a name
+    nested a thousand deep (formatting it raised RecursionError)."""
     replica = _replica(tmp_path, etcd_server.endpoint, etcd_prefix)
     cfg = config_mod.load_file(replica.config)
     keys = Keys(cfg.metadata_prefix, cfg.controller_root)
     # no lease: this leader never goes, so the replica stays a standby throughout
-    await store.put(keys.leader, b'{"replica":"\\ud800x","host":"h","pid":1}')
+    await store.put(keys.leader, value)
     try:
         with notify_socket(tmp_path) as notify:
             replica.env.update(notify.env)
             replica.start()
             await notify.expect("READY", within=20)
-            shown = [m["STATUS"] for m in notify.messages if "STATUS" in m]
-            assert any("standing by" in s and "ud800x" in s for s in shown), shown
+            statuses = [m["STATUS"] for m in notify.messages if "STATUS" in m]
+            assert any("standing by" in s and shown in s for s in statuses), statuses
             await anyio.sleep(1.0)  # a few more status reports: none may end it
             assert replica.alive()
             assert (await replica.status() or {}).get("leader") is False

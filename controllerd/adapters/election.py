@@ -36,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import orjson
@@ -285,20 +285,35 @@ async def _cancel_on(event: anyio.Event, scope: anyio.CancelScope) -> None:
     scope.cancel()
 
 
+#: Characters of an identity's text field, or of the raw text shown for one that does
+#: not parse, at most: ours are host names and numbers.
+IDENTITY_TEXT_MAX: Final = 256
+
+
 def parse_identity(value: bytes) -> dict[str, Any]:
-    """A replica's identity JSON as the election wrote it; anything else as text.
+    """A replica's identity as the election wrote it: a flat JSON object of short text,
+    64-bit integers, finite numbers, booleans and nulls. Anything else is kept as
+    ``{"unparsed": <its first IDENTITY_TEXT_MAX characters>}``.
 
     Strict JSON only (orjson): a lone surrogate escape (``"\\ud800"``), NaN or a
     number beyond a double would otherwise come through, and the first is a string
     no encoder can write (a STATUS= to systemd raised on it and ended the daemon).
+    Flat, because what is shown of it is formatted: a value nested a thousand deep
+    raised RecursionError there, and ended the daemon too.
     """
     try:
         decoded = orjson.loads(value)
     except orjson.JSONDecodeError:
         decoded = None
-    if isinstance(decoded, dict):
+    if isinstance(decoded, dict) and all(_plain(v) for v in decoded.values()):
         return decoded
-    return {"unparsed": value.decode(errors="replace")}
+    return {"unparsed": value[: IDENTITY_TEXT_MAX * 4].decode(errors="replace")[:IDENTITY_TEXT_MAX]}
+
+
+def _plain(value: object) -> bool:
+    if isinstance(value, str):
+        return len(value) <= IDENTITY_TEXT_MAX
+    return value is None or isinstance(value, bool | int | float)  # orjson: 64-bit, finite
 
 
 async def current_leader(store: Store, key: str) -> tuple[dict[str, Any], int] | None:

@@ -509,14 +509,17 @@ _RATE_SPELLINGS: Final = (
 )
 
 
-#: Largest int taken as a float without a range check (orjson's ints are 64-bit).
+#: Largest int taken as a float without a range check (orjson's ints are 64-bit), and
+#: the bound of every stored integer (a signed 64-bit long).
 _FLOAT_INT_MAX: Final = 2**63
 _STATES: Final = {state.value: state for state in SegmentState}
 
 
 def _int(obj: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
+    """An integer that fits a signed 64-bit long: one beyond it (``1e20``) would be
+    written back into etcd (a cooldown stamp, a pruned layout) and fail there (orjson)."""
     value = obj.get(key, default)
-    if type(value) is int:  # the common case first (bool is not exactly int)
+    if type(value) is int and -_FLOAT_INT_MAX <= value < _FLOAT_INT_MAX:  # the common case
         return value
     if value is None:
         raise ModelError(f"{where}.{key}: missing")
@@ -524,7 +527,10 @@ def _int(obj: Mapping[str, Any], key: str, where: str, default: int | None = Non
         raise ModelError(f"{where}.{key}: expected an integer, got {value!r}")
     if isinstance(value, float) and not value.is_integer():
         raise ModelError(f"{where}.{key}: expected an integer, got {value!r}")
-    return int(value)
+    number = int(value)
+    if not -_FLOAT_INT_MAX <= number < _FLOAT_INT_MAX:
+        raise ModelError(f"{where}.{key}: out of the 64-bit range, got {value!r}")
+    return number
 
 
 def _number(obj: Mapping[str, Any], keys: tuple[str, ...], where: str) -> float:
@@ -586,6 +592,9 @@ def _segment_fast(obj: Any) -> Segment | None:
         or type(children) is not list
         or not all(type(v) is int for v in parents)
         or not all(type(v) is int for v in children)
+        # 64-bit, as _int: orjson reads integers up to 2**64 - 1
+        or max(sid, created_epoch, sealed_epoch, created_ms, sealed_ms) >= _FLOAT_INT_MAX
+        or min(created_epoch, sealed_epoch, created_ms, sealed_ms) < -_FLOAT_INT_MAX
     ):
         return None
     return Segment(

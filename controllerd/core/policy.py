@@ -1432,7 +1432,7 @@ class TopicHistory:
                 )
                 last = raw.get("lastFlipflopMs")
                 state = _Range(
-                    flipflops=max(0, int(raw.get("flipflops", 0))),
+                    flipflops=_count(raw.get("flipflops", 0)),
                     last_flipflop_ms=_stamp(last) if last is not None else None,
                     rise=_finite(raw.get("rise", 0.0)),
                     rise_ms=_stamp(raw.get("riseMs", 0)),
@@ -1543,8 +1543,10 @@ def _recent_merges(state: _Range, policy: PolicySettings, now_ms: int) -> int:
 
 
 def _count(value: Any) -> int:
-    """A stored segment count: an int >= 0 (not a bool), else ValueError (the range is dropped)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """A stored count: an int >= 0 (not a bool) that fits a signed 64-bit long, else
+    ValueError (the range is dropped). A larger one would fail the next write of the
+    history (orjson), and that write follows every layout change of the topic."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
         raise ValueError(f"not a count: {value!r}")
     return value
 

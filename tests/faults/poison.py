@@ -83,6 +83,28 @@ not_a_long = st.one_of(
 )
 
 
+def _layout_with(**segment: Any) -> dict[str, Any]:
+    """A one-segment layout, well formed but for ``segment``'s fields."""
+    return {
+        "epoch": 0,
+        "nextSegmentId": 1,
+        "segments": {
+            "0": {
+                "segmentId": 0,
+                "hashRange": {"start": 0, "end": 65535},
+                "state": "ACTIVE",
+                "parentIds": [],
+                "childIds": [],
+                "createdAtEpoch": 0,
+                "sealedAtEpoch": -1,
+                "createdAtMs": 5,
+                "sealedAtMs": -1,
+                **segment,
+            }
+        },
+    }
+
+
 def _shaped(kind: str) -> st.SearchStrategy[bytes]:
     """Well-formed JSON that the parser of ``kind`` must still refuse."""
     if kind == "layout":
@@ -91,6 +113,12 @@ def _shaped(kind: str) -> st.SearchStrategy[bytes]:
             not_an_object,
             st.just(b"{}"),
             bad_segments.map(lambda s: _dumps({"epoch": 0, "segments": s})),
+            # whole, but a stamp beyond 64 bits: it went into the cooldown written after
+            # the next split, and that write failed once the broker had split
+            st.tuples(
+                st.sampled_from(["createdAtMs", "sealedAtMs", "createdAtEpoch"]),
+                st.one_of(st.integers(LONG_MAX + 1, 2**64 - 1), st.just(1e20)),
+            ).map(lambda fv: _dumps(_layout_with(**{fv[0]: fv[1]}))),
         )
     if kind == "load":
         bad_rate = st.one_of(
