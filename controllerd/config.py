@@ -142,7 +142,7 @@ def _cert_pair(prefix: str, cert: str | None, key: str | None) -> list[str]:
     return [f"{prefix}.{missing}: must be set when {other} is (client TLS needs both)"]
 
 
-def _split_listen(listen: str) -> tuple[str, int] | None:
+def split_listen(listen: str) -> tuple[str, int] | None:
     """``host:port`` → (host, port); IPv6 hosts are bracketed. None when malformed."""
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or not port.isascii():
@@ -322,13 +322,13 @@ class HttpSettings:
         return _listen_or_raise(self.listen)[1]
 
     def errors(self, prefix: str = "http") -> list[str]:
-        if _split_listen(self.listen) is not None:
+        if split_listen(self.listen) is not None:
             return []
         return [f"{prefix}.listen: must be host:port with a port 0-65535 (got {self.listen!r})"]
 
 
 def _listen_or_raise(listen: str) -> tuple[str, int]:
-    parsed = _split_listen(listen)
+    parsed = split_listen(listen)
     if parsed is None:
         raise ValueError(f"http.listen: not host:port: {listen!r}")
     return parsed

@@ -18,7 +18,13 @@ it happens:
 Each phase ends when its outcome is visible (with a time limit), so the whole
 story takes about two minutes; a table sums it up at the end. Status lines are
 printed only when something changed. The thresholds and windows are scaled
-down (see :data:`DEMO_CONFIG`). Ctrl-C stops everything cleanly.
+down (see :data:`DEMO_CONFIG`).
+
+However the demo ends (the story told, Ctrl-C, SIGTERM, SIGHUP when the
+terminal closes, a child that exits at start-up), it stops every process it
+started: they run in sessions of their own, so nothing else would. The children
+get their settings from the files the demo writes, never from ``CONTROLLERD_*``
+variables of the operator's shell.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -43,12 +49,13 @@ from typing import Any, TextIO
 import anyio
 import httpx
 
+from controllerd import config as config_mod
 from controllerd.adapters.broker import BrokerClient
 from controllerd.adapters.store import Store, open_store
 from controllerd.core.model import TopicName
 from controllerd.core.view import Keys
 from controllerd.daemon.logs import configure_logging
-from controllerd.errors import EXIT_OK, EXIT_UNAVAILABLE, OperatorError
+from controllerd.errors import DEBUG_ENV, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, OperatorError
 from controllerd.refbroker.client import Producer, open_consumer, open_producer
 
 TOPIC = TopicName("demo", "default", "orders")
@@ -141,25 +148,68 @@ def etcd_binary() -> str:
     found = shutil.which("etcd")
     if found is None:
         raise OperatorError(
-            "the demo needs etcd on the PATH: apt-get install etcd-server (./dev.sh setup does it)",
+            "the demo needs etcd on the PATH: apt-get install etcd-server (./dev.sh run does it)",
             exit_code=EXIT_UNAVAILABLE,
         )
     return found
 
 
+def child_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without its ``CONTROLLERD_*`` variables, but for :data:`DEBUG_ENV`.
+
+    An override exported in the operator's shell (``CONTROLLERD_ETCD__ENDPOINTS``)
+    would point the demo's replicas at real infrastructure, and one that the broker
+    and the replicas read differently (``CONTROLLERD_CLUSTER__NAME``) would break
+    fencing. ``CONTROLLERD_DEBUG`` changes only what a bug prints, so it is kept.
+    """
+    return {
+        name: value
+        for name, value in env.items()
+        if name == DEBUG_ENV or not name.upper().startswith(config_mod.ENV_PREFIX)
+    }
+
+
 @dataclass
 class Processes:
-    """Child processes, stopped in reverse order of start."""
+    """Child processes, stopped in reverse order of start; each logs to ``<root>/<name>.log``."""
 
     root: Path
+    #: The environment of every child (see :func:`child_environment`).
+    env: dict[str, str]
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
+    def log(self, name: str) -> Path:
+        return self.root / f"{name}.log"
+
     def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = (self.root / f"{name}.log").open("ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log = self.log(name).open("ab")
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+        )
         log.close()
         self.procs[name] = proc
         return proc
+
+    async def wait_listening(self, name: str, port: int, within: float = 30.0) -> None:
+        """Return once the child ``name`` accepts connections on ``port``.
+
+        Raises:
+            OperatorError: it exited first (EXIT_UNAVAILABLE); the message names its log.
+            TimeoutError: it neither listened nor exited within ``within`` seconds.
+        """
+        proc = self.procs[name]
+        with anyio.fail_after(within):
+            while (code := proc.poll()) is None:
+                try:
+                    stream = await anyio.connect_tcp("127.0.0.1", port)
+                except OSError:
+                    await anyio.sleep(0.05)
+                else:
+                    await stream.aclose()
+                    return
+        raise OperatorError(
+            f"{name} exited with {code}; see {self.log(name)}", exit_code=EXIT_UNAVAILABLE
+        )
 
     def stop_all(self) -> None:
         for name in reversed(list(self.procs)):
@@ -175,23 +225,16 @@ class Processes:
                 proc.wait()
 
 
-async def wait_port(port: int, within: float = 30.0) -> None:
-    with anyio.fail_after(within):
-        while True:
-            try:
-                stream = await anyio.connect_tcp("127.0.0.1", port)
-            except OSError:
-                await anyio.sleep(0.05)
-            else:
-                await stream.aclose()
-                return
-
-
 @contextlib.contextmanager
 def workdir(keep: bool) -> Iterator[Path]:
+    """A new directory for the children's data and logs, removed at the end unless
+    ``keep``, or unless an OperatorError ends the demo: its message names a log in it."""
     root = Path(tempfile.mkdtemp(prefix="controllerd-demo-"))
     try:
         yield root
+    except OperatorError:
+        keep = True
+        raise
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -223,8 +266,11 @@ class Story:
     last_line: str = ""
 
     def say(self, text: str) -> None:
+        """Print a line; a display that is gone (the terminal closed) must not stop the
+        clean-up that follows a SIGHUP, so a failed write is ignored."""
         stamp = time.strftime("%H:%M:%S")
-        print(f"{stamp}  {text}", file=self.out, flush=True)
+        with contextlib.suppress(OSError):
+            print(f"{stamp}  {text}", file=self.out, flush=True)
 
     def status(self, text: str) -> None:
         """A status line, printed only when it differs from the previous one."""
@@ -467,127 +513,30 @@ async def _leader_name(ports: dict[str, int]) -> str | None:
 
 
 async def run_demo(keep: bool = False, out: TextIO = sys.stdout) -> int:
-    """Run the story; returns the exit status.
+    """Run the story; returns the exit status (0 also when SIGTERM or SIGHUP ended it).
+
+    Every child is stopped on the way out, however the demo ends; SIGTERM and
+    SIGHUP cancel the story so that the shielded clean-up runs (a SIGHUP that was
+    ignored when the demo started, as under ``nohup``, stays ignored).
 
     Raises:
-        OperatorError: etcd or tansu is not installed.
+        OperatorError: etcd or tansu is not installed, or a child exited at start-up.
     """
     etcd_bin, tansu = etcd_binary(), tansu_binary()
     configure_logging("warning", "console")  # the display tells the story; logs are in files
     story = Story(out)
-    with workdir(keep) as root:
-        procs = Processes(root)
+    stop_on = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        stop_on.append(signal.SIGHUP)
+    with anyio.open_signal_receiver(*stop_on) as signals, workdir(keep) as root:
+        procs = Processes(root, child_environment(os.environ))
         try:
-            etcd_port, peer_port, kafka_port, broker_port = (free_port() for _ in range(4))
-            etcd = f"http://127.0.0.1:{etcd_port}"
-            procs.start(
-                "etcd",
-                [
-                    etcd_bin,
-                    "--data-dir",
-                    str(root / "etcd"),
-                    "--name",
-                    "demo",
-                    "--listen-client-urls",
-                    etcd,
-                    "--advertise-client-urls",
-                    etcd,
-                    "--listen-peer-urls",
-                    f"http://127.0.0.1:{peer_port}",
-                    "--initial-advertise-peer-urls",
-                    f"http://127.0.0.1:{peer_port}",
-                    "--initial-cluster",
-                    f"demo=http://127.0.0.1:{peer_port}",
-                    "--heartbeat-interval",
-                    "10",
-                    "--election-timeout",
-                    "100",
-                ],
-            )
-            bootstrap = f"127.0.0.1:{kafka_port}"
-            procs.start(
-                "tansu",
-                [
-                    str(tansu),
-                    "broker",
-                    "--listener-url",
-                    f"tcp://{bootstrap}",
-                    "--advertised-listener-url",
-                    f"tcp://{bootstrap}",
-                    "--storage-engine",
-                    "memory://tansu/",
-                ],
-            )
-            await wait_port(etcd_port)
-            await wait_port(kafka_port)
-            story.say(f"etcd on {etcd}, Kafka (tansu) on {bootstrap}")
-            token = secrets.token_urlsafe(24)
-            token_file = root / "broker.token"
-            token_file.write_text(token + "\n", encoding="utf-8")
-            token_file.chmod(0o600)
-            broker_url = f"http://127.0.0.1:{broker_port}"
-            ports = {"replica-a": free_port(), "replica-b": free_port()}
-            for name, port in ports.items():
-                path = root / f"{name}.toml"
-                path.write_text(
-                    DEMO_CONFIG.format(
-                        broker=broker_url,
-                        etcd=etcd,
-                        port=port,
-                        token_file=token_file,
-                        split=SPLIT_MSG_RATE,
-                    ),
-                    encoding="utf-8",
-                )
-            procs.start(
-                "refbroker",
-                [
-                    sys.executable,
-                    "-m",
-                    "controllerd.refbroker.main",
-                    "--etcd",
-                    etcd,
-                    "--kafka",
-                    bootstrap,
-                    "--listen",
-                    f"127.0.0.1:{broker_port}",
-                    "--report-interval",
-                    str(REPORT_INTERVAL),
-                    "--token-file",
-                    str(token_file),
-                    "--config",
-                    str(root / "replica-a.toml"),
-                ],
-            )
-            await wait_port(broker_port)
-            story.say(f"reference broker on {broker_url} (bearer token in {token_file.name})")
-            for name in ports:
-                procs.start(
-                    name,
-                    [
-                        sys.executable,
-                        "-m",
-                        "controllerd.cli",
-                        "run",
-                        "--config",
-                        str(root / f"{name}.toml"),
-                    ],
-                )
-            for port in ports.values():
-                await wait_port(port)
-            story.say(f"controllerd replicas: {', '.join(ports)}; logs in {root}")
-            keys = Keys("/pulsar", "/controllerd/default")
-            started = time.monotonic()
-            async with (
-                open_store([etcd]) as store,
-                BrokerClient(broker_url, profile="reference", token=token) as admin,
-                anyio.create_task_group() as tg,
-            ):
-                tg.start_soon(observe, story, ports, store, keys)
-                await drive(story, store, keys, bootstrap, admin, procs, ports)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_stop_on_signal, signals, story, tg.cancel_scope)
+                await _tell(story, procs, etcd_bin, tansu)
                 tg.cancel_scope.cancel()
-            story.say(f"demo finished in {time.monotonic() - started:.0f}s (setup excluded)")
-            print("\n" + story.table(), file=out, flush=True)
+        except* OperatorError as group:
+            raise group.exceptions[0] from None
         finally:
             with anyio.CancelScope(shield=True):
                 story.say("stopping processes")
@@ -595,12 +544,138 @@ async def run_demo(keep: bool = False, out: TextIO = sys.stdout) -> int:
     return EXIT_OK
 
 
+async def _stop_on_signal(
+    signals: AsyncIterator[signal.Signals], story: Story, scope: anyio.CancelScope
+) -> None:
+    """Cancel ``scope`` at the first signal; the caller's clean-up then stops the children."""
+    async for signum in signals:
+        story.say(f"{signum.name}: stopping the demo")
+        scope.cancel()
+        return
+
+
+async def _tell(story: Story, procs: Processes, etcd_bin: str, tansu: Path) -> None:
+    """Start every process, then tell the story; the caller stops the processes."""
+    root = procs.root
+    etcd_port, peer_port, kafka_port, broker_port = (free_port() for _ in range(4))
+    etcd = f"http://127.0.0.1:{etcd_port}"
+    procs.start(
+        "etcd",
+        [
+            etcd_bin,
+            "--data-dir",
+            str(root / "etcd"),
+            "--name",
+            "demo",
+            "--listen-client-urls",
+            etcd,
+            "--advertise-client-urls",
+            etcd,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster",
+            f"demo=http://127.0.0.1:{peer_port}",
+            "--heartbeat-interval",
+            "10",
+            "--election-timeout",
+            "100",
+        ],
+    )
+    bootstrap = f"127.0.0.1:{kafka_port}"
+    procs.start(
+        "tansu",
+        [
+            str(tansu),
+            "broker",
+            "--listener-url",
+            f"tcp://{bootstrap}",
+            "--advertised-listener-url",
+            f"tcp://{bootstrap}",
+            "--storage-engine",
+            "memory://tansu/",
+        ],
+    )
+    await procs.wait_listening("etcd", etcd_port)
+    await procs.wait_listening("tansu", kafka_port)
+    story.say(f"etcd on {etcd}, Kafka (tansu) on {bootstrap}")
+    token = secrets.token_urlsafe(24)
+    token_file = root / "broker.token"
+    token_file.write_text(token + "\n", encoding="utf-8")
+    token_file.chmod(0o600)
+    broker_url = f"http://127.0.0.1:{broker_port}"
+    ports = {"replica-a": free_port(), "replica-b": free_port()}
+    for name, port in ports.items():
+        path = root / f"{name}.toml"
+        path.write_text(
+            DEMO_CONFIG.format(
+                broker=broker_url,
+                etcd=etcd,
+                port=port,
+                token_file=token_file,
+                split=SPLIT_MSG_RATE,
+            ),
+            encoding="utf-8",
+        )
+    procs.start(
+        "refbroker",
+        [
+            sys.executable,
+            "-m",
+            "controllerd.refbroker.main",
+            "--etcd",
+            etcd,
+            "--kafka",
+            bootstrap,
+            "--listen",
+            f"127.0.0.1:{broker_port}",
+            "--report-interval",
+            str(REPORT_INTERVAL),
+            "--token-file",
+            str(token_file),
+            "--config",
+            str(root / "replica-a.toml"),
+        ],
+    )
+    await procs.wait_listening("refbroker", broker_port)
+    story.say(f"reference broker on {broker_url} (bearer token in {token_file.name})")
+    for name in ports:
+        procs.start(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "controllerd.cli",
+                "run",
+                "--config",
+                str(root / f"{name}.toml"),
+            ],
+        )
+    for name, port in ports.items():
+        await procs.wait_listening(name, port)
+    story.say(f"controllerd replicas: {', '.join(ports)}; logs in {root}")
+    keys = Keys("/pulsar", "/controllerd/default")
+    started = time.monotonic()
+    async with (
+        open_store([etcd]) as store,
+        BrokerClient(broker_url, profile="reference", token=token) as admin,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(observe, story, ports, store, keys)
+        await drive(story, store, keys, bootstrap, admin, procs, ports)
+        tg.cancel_scope.cancel()
+    story.say(f"demo finished in {time.monotonic() - started:.0f}s (setup excluded)")
+    print("\n" + story.table(), file=story.out, flush=True)
+
+
 def cmd_demo(keep: bool) -> int:
-    """``controllerd demo``; a missing dependency is one line and EXIT_UNAVAILABLE."""
+    """``controllerd demo``; a missing dependency or a child that exits at start-up is one
+    line and EXIT_UNAVAILABLE; Ctrl-C is EXIT_INTERRUPTED."""
     try:
         return anyio.run(run_demo, keep)
     except OperatorError as exc:
         print(f"controllerd: {exc.line()}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

@@ -1,14 +1,21 @@
 """``controllerd refbroker``: the reference broker process (admin API + load reporter).
 
 Start-up mistakes (an unreadable ``--token-file``, Kafka unreachable for
-``--connect-timeout`` seconds, an invalid ``--config``) end the process with one
-line on stderr and the exit status of :mod:`controllerd.errors`, never a
-traceback.
+``--connect-timeout`` seconds, an invalid ``--config``, a busy ``--listen`` port)
+end the process with one line on stderr and the exit status of
+:mod:`controllerd.errors`, never a traceback. SIGTERM stops it with status 0,
+SIGINT (Ctrl-C) with 130, as for every command but ``run``.
+
+The config is ``--config`` (or the defaults) with the ``CONTROLLERD_*``
+overrides of the environment applied, as the daemon loads it: the fencing key
+comes from ``cluster.name``, so both must see the same overrides.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -27,7 +34,7 @@ from controllerd.core.view import Keys
 from controllerd.daemon.clock import Clock, SystemClock
 from controllerd.daemon.logs import configure_logging
 from controllerd.daemon.ops import serve_ops
-from controllerd.errors import EXIT_OK, OperatorError
+from controllerd.errors import EXIT_INTERRUPTED, EXIT_OK, OperatorError
 from controllerd.refbroker.kafka import open_kafka
 from controllerd.refbroker.options import DEFAULT_CONNECT_TIMEOUT, add_arguments
 from controllerd.refbroker.reporter import LoadReporter
@@ -68,7 +75,8 @@ async def serve(
     """Run until cancelled; reports the bound admin port once listening.
 
     Raises:
-        OperatorError: Kafka did not answer within ``connect_timeout``.
+        OperatorError: Kafka did not answer within ``connect_timeout``, or the admin
+            address cannot be resolved or bound (a busy port).
     """
     clock = clock or SystemClock()
     cfg = options.config
@@ -89,7 +97,14 @@ async def serve(
         reporter = LoadReporter(store, keys, kafka, rule, clock, options.report_interval)
         async with anyio.create_task_group() as tg:
             app = make_app(broker, options.token)
-            port = await tg.start(serve_ops, app, options.host, options.port)
+            try:
+                port = await tg.start(serve_ops, app, options.host, options.port)
+            except OSError as exc:
+                raise OperatorError(
+                    f"cannot listen on {_address(options.host, options.port)}: "
+                    f"{exc.strerror or exc}",
+                    setting="--listen",
+                ) from None
             log.info(
                 "refbroker.listening",
                 port=port,
@@ -102,14 +117,24 @@ async def serve(
             tg.start_soon(reporter.run, name="load-reporter")
 
 
-async def _main(options: BrokerOptions) -> None:
+def _address(host: str, port: int) -> str:
+    """``host:port`` as ``--listen`` takes it: an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _main(options: BrokerOptions) -> int:
+    """Serve until SIGTERM (status 0: stopped on request) or SIGINT (130: interrupted)."""
+    status = EXIT_OK
     async with anyio.create_task_group() as tg:
         tg.start_soon(serve, options, name="refbroker")
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                log.info("refbroker.stopping")
+            async for signum in signals:
+                log.info("refbroker.stopping", signal=signum.name)
+                if signum == signal.SIGINT:
+                    status = EXIT_INTERRUPTED
                 tg.cancel_scope.cancel()
                 break
+    return status
 
 
 def _operator_error(exc: BaseException) -> OperatorError | None:
@@ -124,22 +149,38 @@ def _operator_error(exc: BaseException) -> OperatorError | None:
     return None
 
 
-def _options(args: argparse.Namespace) -> BrokerOptions:
+def _config(path: str | None) -> config_mod.Config:
+    """``path`` (None: the defaults) with the environment's overrides, as the daemon loads it.
+
+    An error names ``--config`` when there is a file; one caused by a variable names it.
+    """
+    setting = "--config" if path else None
     try:
-        cfg = config_mod.load_file(args.config) if args.config else config_mod.Config()
+        if path:
+            return config_mod.load_file(path, os.environ)
+        return config_mod.load("", os.environ)
     except config_mod.ConfigError as exc:
-        raise OperatorError("; ".join(exc.errors), setting="--config") from None
-    except OSError as exc:
+        raise OperatorError("; ".join(exc.errors), setting=setting) from None
+
+
+def _seconds(flag: str, value: float) -> float:
+    """``value`` if it is a finite number of seconds > 0: ``inf`` would sleep forever."""
+    if not (value > 0 and math.isfinite(value)):
+        raise OperatorError(f"{flag} must be a finite number > 0 (got {value})", setting=flag)
+    return value
+
+
+def _options(args: argparse.Namespace) -> BrokerOptions:
+    cfg = _config(args.config)
+    listen = config_mod.split_listen(args.listen)
+    if listen is None:
         raise OperatorError(
-            f"cannot read {args.config}: {exc.strerror}", setting="--config"
-        ) from None
-    host, _, port = args.listen.rpartition(":")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise OperatorError(f"--listen {args.listen!r} is not host:port", setting="--listen")
-    if not args.connect_timeout > 0:
-        raise OperatorError("--connect-timeout must be > 0", setting="--connect-timeout")
-    if not args.report_interval > 0:
-        raise OperatorError("--report-interval must be > 0", setting="--report-interval")
+            f"--listen {args.listen!r} is not host:port (a port 0-65535; an IPv6 host in [])",
+            setting="--listen",
+        )
+    host, port = listen
+    connect_timeout = _seconds("--connect-timeout", args.connect_timeout)
+    report_interval = _seconds("--report-interval", args.report_interval)
     token = read_secret(args.token_file, "--token-file")
     if (problem := endpoints_problem([args.etcd])) is not None:
         raise OperatorError(f"--etcd {args.etcd!r}: {problem}", setting="--etcd")
@@ -154,14 +195,14 @@ def _options(args: argparse.Namespace) -> BrokerOptions:
     return BrokerOptions(
         etcd=args.etcd,
         kafka=args.kafka,
-        host=host or "127.0.0.1",
-        port=int(port),
+        host=host,
+        port=port,
         metadata_prefix=args.metadata_prefix,
         leader_key=args.leader_key or f"{cfg.controller_root}/leader",
-        report_interval=args.report_interval,
+        report_interval=report_interval,
         config=cfg,
         token=token,
-        connect_timeout=args.connect_timeout,
+        connect_timeout=connect_timeout,
     )
 
 
@@ -172,7 +213,7 @@ def cmd_refbroker(args: argparse.Namespace) -> int:
         cfg = options.config
         configure_logging(cfg.logging.level, cfg.logging.format)
         try:
-            anyio.run(_main, options)
+            status: int = anyio.run(_main, options)
         except BaseException as exc:
             found = _operator_error(exc)
             if found is None:
@@ -181,7 +222,7 @@ def cmd_refbroker(args: argparse.Namespace) -> int:
     except OperatorError as exc:
         print(f"controllerd: {exc.line()}", file=sys.stderr)
         return exc.exit_code
-    return EXIT_OK
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every ``refbroker`` option to ``parser``."""
     parser.add_argument("--etcd", default="http://127.0.0.1:2379", help="etcd endpoint URL")
     parser.add_argument("--kafka", default="127.0.0.1:9092", help="Kafka bootstrap host:port")
-    parser.add_argument("--listen", default="127.0.0.1:8080", help="admin API host:port")
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:8080",
+        help="admin API host:port; an IPv6 host in brackets ([::1]:8080)",
+    )
     parser.add_argument(
         "--metadata-prefix", default="/pulsar", help="etcd prefix of the PIP-468 metadata"
     )
