@@ -10,17 +10,21 @@ goes, then the table for the README:
 * forced failovers (kill -9, SIGTERM, SIGSTOP past the lease TTL, in turn,
   under continuous split/merge work) and double actions: an operation on a
   segment already split or merged, or with a stale fencing token, as sent by
-  a replica and as accepted by the broker;
+  a replica and as accepted by the broker; exits are replica processes that
+  ended on their own, and SIGTERM'd leaders that did not exit 0, each once;
 * malformed values (hypothesis, every key kind) written under running
   replicas, with a kill -9 of the leader, and process exits;
 * etcd paused (SIGSTOP) for up to 30 s and killed/restarted: replica exits,
   and the time from etcd's return to the first action (the first write after
   its return is a hot load record; the time runs to its split request);
 * broker storms (503, 500, a socket that never answers, 409, 412) survived,
-  guard leaks, burned cooldowns and requests beyond the retry schedule;
+  guard leaks, burned cooldowns and requests beyond the retry schedule (of
+  those checked: requests into the socket that never answers are counted
+  apart, as each waits out the client's timeout);
 * GC with backlog > 0, unknown backlog (500, 404, no answer) and retention:
-  unsafe deletions, and crashes between prune and delete finished by the
-  next leader.
+  unsafe deletions (a delete request before the backlog was known to be 0, or
+  for a segment inside retention at any time in its round), and crashes
+  between prune and delete finished by the next leader.
 
 Usage: python -m bench.fault_bench [--failovers 100] [--malformed 1000]
     [--pauses 1,2,5,10,20,30] [--restarts 10] [--storms 20] [--gc-rounds 3]
@@ -40,9 +44,10 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,6 +184,32 @@ async def _drive_load(chaos: Chaos, topics: Sequence[TopicName]) -> None:
     await _every(1.0, once)
 
 
+def _unplanned_ends(
+    replicas: Sequence[Replica], stopped: Collection[str]
+) -> set[subprocess.Popen[bytes]]:
+    """The processes of ``replicas`` that ended although nobody stopped them.
+
+    Processes, not replica names: a replica restarted after an exit is a new
+    process, and one exit seen at every later check must count once.
+    """
+    return {
+        r.proc
+        for r in replicas
+        if r.proc is not None and r.proc.poll() is not None and r.name not in stopped
+    }
+
+
+async def _ended_badly(victim: Replica, sig: signal.Signals) -> bool:
+    """Wait for a replica we signalled to end; True if a SIGTERM'd one did not exit 0.
+
+    A graceful shutdown must exit 0 (status 70 is a crash on the way out, which
+    ``Chaos.assert_alive`` never sees: the victim is in ``stopped``). A kill -9
+    ends by its signal, which says nothing about the daemon.
+    """
+    status = await anyio.to_thread.run_sync(victim.wait, 20.0)
+    return sig == signal.SIGTERM and status != 0
+
+
 async def failovers(
     args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: Path
 ) -> list[Row]:
@@ -198,7 +229,7 @@ async def failovers(
             await chaos.add_topic(topic)
         kinds = itertools.cycle(("kill -9", "SIGTERM", "SIGSTOP"))
         times: dict[str, list[float]] = collections.defaultdict(list)
-        exits = 0
+        exited: set[subprocess.Popen[bytes]] = set()  # each process once
         async with anyio.create_task_group() as tg:
             tg.start_soon(_drive_load, chaos, topics)
             for _ in range(args.failovers):
@@ -213,9 +244,10 @@ async def failovers(
                 await wait_until(standby_ready, within=60, step=0.05)
                 started = time.monotonic()
                 chaos.stopped.add(leader.name)
-                leader.signal(
-                    {"kill -9": signal.SIGKILL, "SIGTERM": signal.SIGTERM}.get(kind, signal.SIGSTOP)
+                sig = {"kill -9": signal.SIGKILL, "SIGTERM": signal.SIGTERM}.get(
+                    kind, signal.SIGSTOP
                 )
+                leader.signal(sig)
 
                 async def taken_over(leader: Replica = leader, token: int = token) -> bool:
                     for replica in chaos.alive():
@@ -231,14 +263,15 @@ async def failovers(
                 if kind == "SIGSTOP":
                     leader.signal(signal.SIGCONT)  # wakes past its TTL, deposed
                 else:
-                    await anyio.to_thread.run_sync(leader.wait, 20.0)
+                    proc = leader.proc
+                    if await _ended_badly(leader, sig) and proc is not None:
+                        exited.add(proc)
                     leader.start()
                 chaos.stopped.discard(leader.name)
-                exits += sum(
-                    1 for r in chaos.replicas if not r.alive() and r.name not in chaos.stopped
-                )
+                exited |= _unplanned_ends(chaos.replicas, chaos.stopped)
             await anyio.sleep(3.0)  # the last operations land
             tg.cancel_scope.cancel()
+        exits = len(exited | _unplanned_ends(chaos.replicas, chaos.stopped))
         applied = sum(
             1
             for s in chaos.http.seen
@@ -409,9 +442,22 @@ def _beyond_schedule(ops: list[list[float]], schedule: backoff.Backoff) -> int:
     return excess + len(early)
 
 
+def _judge_storm(kind: str, posts: list[float], schedule: backoff.Backoff) -> int | None:
+    """How many of one storm topic's split requests (arrival times) the schedules did
+    not allow; None when they cannot be checked: each attempt of a hung request waits
+    out the client's timeout, so its spacing says nothing about the schedule."""
+    if kind == "hang":
+        return None
+    if kind in ("500", "503"):  # two attempts each (the client's one retry)
+        ops = operations(posts, per_op=2)
+        # a run spanning a topic backoff is not one operation: count it
+        return len(spanning_backoff(ops, schedule)) + _beyond_schedule(ops, schedule)
+    return _beyond_schedule(operations(posts), schedule)
+
+
 async def storms(args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: Path) -> list[Row]:
     schedule = backoff.TOPIC_RETRY.capped_at(STORM_INTERVAL)
-    survived = leaks = burned = sent = beyond = 0
+    survived = leaks = burned = checked = unchecked = beyond = 0
     async with open_chaos(
         store, etcd.endpoint, "/bench/storms/", tmp, count=2, extra=STORM_CONFIG
     ) as chaos:
@@ -442,14 +488,12 @@ async def storms(args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: 
                     for s in chaos.http.requests(topic_path(topic) + "/split/", method="POST")
                     if s.injected
                 ]
-                sent += len(posts)
-                if kind in ("500", "503"):  # two attempts each (the client's one retry)
-                    ops = operations(posts, per_op=2)
-                    # a run spanning a topic backoff is not one operation: count it
-                    beyond += len(spanning_backoff(ops, schedule))
-                    beyond += _beyond_schedule(ops, schedule)
-                elif kind != "hang":  # each attempt of a hung request waits out the timeout
-                    beyond += _beyond_schedule(operations(posts), schedule)
+                judged = _judge_storm(kind, posts, schedule)
+                if judged is None:
+                    unchecked += len(posts)
+                else:
+                    checked += len(posts)
+                    beyond += judged
 
                 async def split(topic: TopicName = topic) -> bool:
                     return chaos.active(topic) == 3 and await chaos.cooldown_written(topic)
@@ -463,15 +507,17 @@ async def storms(args: argparse.Namespace, store: Store, etcd: EtcdServer, tmp: 
     print(
         f"broker storms: {survived} of {args.storms} recovered ({', '.join(STORM_KINDS)}); "
         f"guard leaks {leaks}; burned cooldowns {burned}; split requests sent into the storms "
-        f"{sent}, of which beyond the retry schedule {beyond}; exits {exits}"
+        f"{checked}, of which beyond the retry schedule {beyond}, and {unchecked} into the "
+        f"socket that never answers (not checked); exits {exits}"
     )
     return [
         Row(
             "broker storms (503, 500, no answer, 409, 412; hot load records meanwhile) "
             "survived / guard leaks / burned cooldowns",
             "all / 0 / 0",
-            f"{survived} of {args.storms} / {leaks} / {burned} ({beyond} of {sent} split "
-            "requests beyond the retry schedule)",
+            f"{survived} of {args.storms} / {leaks} / {burned} ({beyond} of {checked} split "
+            f"requests beyond the retry schedule; {unchecked} more into the socket that never "
+            "answers, not checked)",
         )
     ]
 
@@ -483,6 +529,18 @@ GC_CONFIG = "[gc]\ninterval_seconds = 0.5\ndefault_retention_seconds = 1\n"
 
 def _segment_requests(chaos: Chaos, topic: TopicName, method: str) -> list[float]:
     return [s.at for s in chaos.http.requests(segments_prefix(topic), method=method)]
+
+
+def _unsafe_deletes(
+    chaos: Chaos, healed_at: float, until_healed: Sequence[TopicName], retained: TopicName
+) -> int:
+    """Delete requests that must not have been sent: for ``until_healed`` before
+    ``healed_at`` (their backlog was > 0 or unknown until then), and for ``retained``
+    at any time (its retention outlasts the bench), however late in the round."""
+    early = sum(
+        1 for t in until_healed for at in _segment_requests(chaos, t, "DELETE") if at < healed_at
+    )
+    return early + len(_segment_requests(chaos, retained, "DELETE"))
 
 
 @dataclass
@@ -514,9 +572,7 @@ async def _gc_round(chaos: Chaos, ns: str) -> _GcRound:
         )
 
     await wait_until(asked, within=60)
-    result.unsafe = sum(
-        len(_segment_requests(chaos, t, "DELETE")) for t in (*asked_about, retained)
-    )
+    healed_at = time.monotonic()  # a delete of asked_about that arrived before: unsafe
     chaos.http.heal()
     chaos.broker.backlogs[(with_backlog, parents[with_backlog], "s")] = 0
     collectable = (drained, *asked_about)
@@ -526,7 +582,6 @@ async def _gc_round(chaos: Chaos, ns: str) -> _GcRound:
 
     await wait_until(all_done, within=60)
     result.collected = len(collectable)
-    result.kept = (retained, parents[retained]) not in chaos.broker.deleted_segments
 
     # A kill -9 between the prune transaction and the broker delete.
     crash = TopicName("bench", ns, "crash")
@@ -552,6 +607,8 @@ async def _gc_round(chaos: Chaos, ns: str) -> _GcRound:
     leader.start()
     chaos.stopped.discard(leader.name)
     await wait_until(leader.ready, within=60)
+    result.unsafe = _unsafe_deletes(chaos, healed_at, asked_about, retained)
+    result.kept = (retained, parents[retained]) not in chaos.broker.deleted_segments
     return result
 
 

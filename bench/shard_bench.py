@@ -22,17 +22,23 @@ Prints four tables:
    hot and cold load records), so every shard has splits and merges to do;
    just before each signal the victim is given splits on its own shards, so
    the change may catch it deciding or with a request in flight.
-   A *double action* is a split or merge of one segment that got past the fence
-   twice, or a fenced call with an older token accepted after a newer one on the
-   same shard key; the target is 0. Calls the broker refused as stale are
-   counted by the kind of the membership change before them.
+   A *double action* is a second split or merge past the fence of one segment
+   (whatever the operations: a split of 5 then a merge of 5 and 6 is one), or a
+   fenced call with an older token accepted after a newer one on the same shard
+   key; the target is 0. A SIGSTOP whose victim's shards the others did not
+   take within ``--settle-timeout`` counts as a timeout. Calls the broker
+   refused as stale are counted by the kind of the membership change before them.
 4. **Throughput**: evaluations/s (the growth of
    ``controllerd_evaluation_duration_seconds_count`` in each replica's
    /metrics) for 1, 2 and 3 replicas on the same ``--throughput-topics``
    topics, every topic kept busy by a short ``[autoscale] interval_seconds``
-   (``--tick``), so that the replicas, not the ticker, are the limit. These
-   replicas use the default lease TTL (``--throughput-ttl 10``): at 2 s, a
-   replica starved of CPU loses its lease now and then, which spoils a window.
+   (``--tick``), so that the replicas, not the ticker, are the limit. Each
+   topic has two segments, one below the merge thresholds beside a balanced
+   one (:data:`NEVER_QUIET`): ``decide`` answers balanced, but the controller
+   never marks such a topic quiet, so its ticker asks for every topic at every
+   tick (a quiet topic only on one tick of ``FULL_PASS_EVERY``). These replicas
+   use the default lease TTL (``--throughput-ttl 10``): at 2 s, a replica
+   starved of CPU loses its lease now and then, which spoils a window.
 
 The broker is served here rather than with ``tests.support.broker.serve_test_broker``
 because the bench also needs each mutation's answer (applied, refused by the
@@ -96,6 +102,12 @@ from tests.support.kafka import free_port
 BALANCED: Final = 5_000.0
 HOT: Final = 30_000.0
 COLD: Final = 10.0
+#: One load record per segment of a throughput topic. ``decide`` answers balanced (no
+#: cold pair to merge, nothing to split) at every tick, but a cold segment beside
+#: another keeps the controller from marking the topic quiet (``Controller._note_quiet``),
+#: and quiet topics are skipped on all ticks but one of ``FULL_PASS_EVERY``: with
+#: :data:`BALANCED` alone the phase asked a tenth of what it claimed.
+NEVER_QUIET: Final = (COLD, BALANCED)
 #: Seconds between two polls of every replica's /status while waiting for a rebalance.
 POLL: Final = 0.02
 #: Keys per etcd transaction when loading topics (etcd allows 128 operations).
@@ -221,13 +233,29 @@ async def serve_broker(store: Store, prefix: str, shards: int) -> AsyncIterator[
         sock.close()
 
 
-async def add_topics(store: Store, broker: Broker, topics: Sequence[TopicName]) -> None:
-    """One active segment each, with a balanced load record, in batched transactions."""
+def topic_records(
+    broker: Broker, topics: Sequence[TopicName], loads: Sequence[float] = (BALANCED,)
+) -> list[tuple[str, bytes]]:
+    """Keys and values of new topics: ``len(loads)`` active segments each, in hash order,
+    segment ``i`` with a load record of ``loads[i]`` msg/s."""
     items: list[tuple[str, bytes]] = []
     for topic in topics:
-        layout = broker.state.add_topic(topic, 1)
+        layout = broker.state.add_topic(topic, len(loads))
         items.append((broker.keys.layout(topic), layout_json(layout)))
-        items.append((broker.keys.load(topic, 0), load_json(BALANCED)))
+        active = layout.active_segments()
+        for segment, rate in zip(active, loads, strict=True):
+            items.append((broker.keys.load(topic, segment.segment_id), load_json(rate)))
+    return items
+
+
+async def add_topics(
+    store: Store,
+    broker: Broker,
+    topics: Sequence[TopicName],
+    loads: Sequence[float] = (BALANCED,),
+) -> None:
+    """:func:`topic_records` written in batched transactions."""
+    items = topic_records(broker, topics, loads)
     for start in range(0, len(items), BATCH):
         batch = items[start : start + BATCH]
         # The compare is falsified by the batch itself, so a retried batch is a no-op.
@@ -609,6 +637,26 @@ class Change:
     kind: str
     at: float
     settle: float | None = None
+    """Seconds from ``at`` until settled; None: a timeout."""
+    missed: str | None = None
+    """A wait before the settle that timed out (then ``settle`` stays None)."""
+
+
+async def stop_until_taken_over(
+    pool: Pool, victim: Replica, others: Sequence[Replica], within: float
+) -> bool:
+    """SIGSTOP ``victim`` until ``others`` own every shard, then SIGCONT it; False if
+    they did not within ``within`` seconds (the takeover this change is about never
+    happened, so its settle time would time something else)."""
+    victim.signal(signal.SIGSTOP)
+    pool.stopped.add(victim.name)
+    try:
+        taken = await pool.wait_settled(others, within=within)
+        await anyio.sleep(0.5)  # past the TTL: the others act on its shards
+    finally:
+        victim.signal(signal.SIGCONT)
+        pool.stopped.discard(victim.name)
+    return taken is not None
 
 
 async def churn(ctx: Context, pool: Pool, broker: Broker, topics: list[TopicName]) -> list[Change]:
@@ -646,23 +694,18 @@ async def churn(ctx: Context, pool: Pool, broker: Broker, topics: list[TopicName
                 await pool.reap(victim)
                 victim.start()
             else:
-                victim.signal(signal.SIGSTOP)
-                pool.stopped.add(victim.name)
-                try:
-                    others = [r for r in live if r is not victim]
-                    await pool.wait_settled(others, within=within)
-                    await anyio.sleep(0.5)  # past the TTL: the others act on its shards
-                finally:
-                    victim.signal(signal.SIGCONT)
-                    pool.stopped.discard(victim.name)
+                others = [r for r in live if r is not victim]
+                if not await stop_until_taken_over(pool, victim, others, within):
+                    change.missed = "takeover"
                 change.at = time.monotonic()  # timed from SIGCONT
             done = await pool.wait_settled(pool.live(), within=within)
-            if done is not None:
+            if done is not None and change.missed is None:
                 change.settle = done[0] - change.at
             shown = "timeout" if change.settle is None else fmt_s(change.settle)
+            missed = f", {change.missed} timed out" if change.missed else ""
             print(
                 f"  change {number:>2}/{len(plan)}: {kind:<18} -> settled in {shown:>8} "
-                f"({len(pool.live())} live)",
+                f"({len(pool.live())} live{missed})",
                 flush=True,
             )
         tg.cancel_scope.cancel()
@@ -670,14 +713,25 @@ async def churn(ctx: Context, pool: Pool, broker: Broker, topics: list[TopicName
     return changes
 
 
-def double_actions(broker: Broker) -> tuple[list[tuple[str, ...]], list[FencedCall]]:
-    """Splits/merges of one segment that passed the fence twice; older tokens accepted late."""
-    passed: dict[tuple[str, ...], list[Mutation]] = collections.defaultdict(list)
+def double_actions(
+    broker: Broker,
+) -> tuple[dict[tuple[str, str], list[Mutation]], list[FencedCall]]:
+    """Segments split or merged more than once past the fence, with those calls, by
+    ``(topic, segment id)``; and fenced calls with an older token accepted late.
+
+    Grouped by segment, not by call: a split of 5 and then a merge of 5 and 6, or
+    merges of 7 and 8 and of 6 and 7, act twice on one segment (as
+    ``bench.fault_bench``'s ``Fencing.accepted_doubles`` counts them). Each doubled
+    segment counts ``len(calls) - 1`` (:func:`count_doubles`).
+    """
+    passed: dict[tuple[str, str], list[Mutation]] = collections.defaultdict(list)
     for m in broker.mutations:
         action = m.action()
         if action is not None and m.passed_fence:
-            passed[action].append(m)
-    doubles = [action for action, calls in passed.items() if len(calls) > 1]
+            _, topic, *segments = action
+            for segment in segments:
+                passed[(topic, segment)].append(m)
+    doubles = {segment: calls for segment, calls in passed.items() if len(calls) > 1}
     newest: dict[str, int] = {}
     stale_accepted = []
     for call in sorted(broker.state.fenced_calls, key=lambda c: c.at):
@@ -687,6 +741,17 @@ def double_actions(broker: Broker) -> tuple[list[tuple[str, ...]], list[FencedCa
             stale_accepted.append(call)
         newest[call.key] = max(newest.get(call.key, 0), call.token)
     return doubles, stale_accepted
+
+
+def describe(m: Mutation) -> str:
+    """``merge 5+6 token 11 -> 412``: one call of a double action."""
+    op, _, *ids = m.action() or (m.method, "")
+    return f"{op} {'+'.join(ids)} token {m.token} -> {m.status}"
+
+
+def count_doubles(doubles: dict[tuple[str, str], list[Mutation]]) -> int:
+    """Calls past the fence on a segment beyond its first (:func:`double_actions`)."""
+    return sum(len(calls) - 1 for calls in doubles.values())
 
 
 #: Replica log events worth counting after churn: fencing at work, and trouble.
@@ -745,7 +810,7 @@ def print_churn(
         )
     print(
         "(kill -9 and SIGTERM + restart: from the signal; SIGSTOP: from SIGCONT, after the "
-        "others had taken its shards; join: from process start)"
+        "others had taken its shards (a timeout if they had not); join: from process start)"
     )
     window = [m for m in broker.mutations if m.at >= started]
     applied = collections.Counter(
@@ -760,6 +825,7 @@ def print_churn(
         shard_of(c.topic, args.shards) for c in fenced if c.accepted and c.method == "POST"
     }
     doubles, stale_accepted = double_actions(broker)
+    doubled = count_doubles(doubles)
     print(
         f"writer ({args.write_rate:g} ops/s): {writer.created} new hot topics, {writer.hot} hot "
         f"records, {writer.cold} cold pairs; {len(writer.topics):,} topics in all"
@@ -771,13 +837,12 @@ def print_churn(
         f"{layout_refused} past the fence but refused by the layout"
     )
     print(
-        f"double actions: {len(doubles) + len(stale_accepted)} "
-        f"(a segment split or merged twice past the fence: {len(doubles)}; "
+        f"double actions: {doubled + len(stale_accepted)} "
+        f"(a segment split or merged twice past the fence: {doubled}; "
         f"an older token accepted after a newer one on the same key: {len(stale_accepted)})"
     )
-    for action in doubles[:10]:
-        calls = [m for m in broker.mutations if m.action() == action and m.passed_fence]
-        print(f"  double: {action} " + ", ".join(f"token {m.token} -> {m.status}" for m in calls))
+    for (topic, segment), calls in list(doubles.items())[:10]:
+        print(f"  double: {topic} segment {segment}: " + ", ".join(map(describe, calls)))
     events = replica_events(pool.replicas, since_wall)
     if events:
         print("replica log events: " + ", ".join(f"{name} {n}" for name, n in events.most_common()))
@@ -841,13 +906,20 @@ async def measure(
     return per
 
 
+def short_of_demand(per: Sequence[PerReplica], asked: float) -> bool:
+    """Whether a window fell well short of ``asked`` with no replica behind (queues
+    empty, no lease lost): then the ticker asked for less, and the claim is false."""
+    idle = all(p.queued == 0 and p.lease_losses == 0 for p in per)
+    return idle and sum(p.rate for p in per) < 0.5 * asked
+
+
 async def throughput(ctx: Context) -> None:
     args = ctx.args
     topics = [TopicName("bench", "tp", f"t{i}") for i in range(args.throughput_topics)]
     rows: list[tuple[int, list[PerReplica]]] = []
     async with serve_broker(ctx.store, "/tp/", args.shards) as broker:
         loading = time.monotonic()
-        await add_topics(ctx.store, broker, topics)
+        await add_topics(ctx.store, broker, topics, NEVER_QUIET)
         print(
             f"\n(loaded {len(topics):,} topics into etcd in {time.monotonic() - loading:.1f} s)",
             flush=True,
@@ -877,14 +949,15 @@ async def throughput(ctx: Context) -> None:
         finally:
             await pool.close()
     print(
-        f"\n## Throughput: {len(topics):,} topics, {args.shards} shards, every topic "
-        f"re-evaluated every {args.tick:g} s (interval_seconds), lease TTL "
-        f"{args.throughput_ttl} s, {args.measure:g} s windows"
+        f"\n## Throughput: {len(topics):,} topics ({len(NEVER_QUIET)} segments, one cold: "
+        f"never quiet), {args.shards} shards, every topic re-evaluated every {args.tick:g} s "
+        f"(interval_seconds), lease TTL {args.throughput_ttl} s, {args.measure:g} s windows"
     )
     print(
         f"{'replicas':>8} {'evals/s':>9} {'vs 1':>6} {'CPU':>6} {'evals/CPU-s':>12}   "
         "per replica: evals/s, topics owned, CPU, queue, lease losses"
     )
+    asked = len(topics) / args.tick
     base = sum(p.rate for p in rows[0][1]) if rows else 1.0
     for n, per in rows:
         total, cpu = sum(p.rate for p in per), sum(p.cpu for p in per)
@@ -897,11 +970,18 @@ async def throughput(ctx: Context) -> None:
             f"{total / max(cpu, 1e-9):>12,.0f}   {detail}"
         )
     print(
-        f"(asked for {len(topics) / args.tick:,.0f} evaluations/s in all; queue: topics waiting "
+        f"(asked for {asked:,.0f} evaluations/s in all; queue: topics waiting "
         "at the end of the window (the lower of two samples), above 0 = the replica was the "
         "limit, not the ticker; L: leases lost in the window (all its shards dropped and "
         "claimed again), which spoils the window)"
     )
+    for n, per in rows:
+        if short_of_demand(per, asked):
+            print(
+                f"warning: with {n} replica(s) no queue and only "
+                f"{sum(p.rate for p in per):,.0f} evaluations/s of {asked:,.0f} asked: "
+                "the ticker asked for less (quiet topics?), not the replicas"
+            )
 
 
 # -- main -------------------------------------------------------------------------------------
