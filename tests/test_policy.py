@@ -1095,3 +1095,14 @@ def test_new_override_keys_resolve() -> None:
     assert isinstance(resolve_policy(OURS, {"mergeRegretSeconds": -1}), PolicyInvalid)
     assert isinstance(resolve_policy(OURS, {"mergeHeadroomHalfLifeSeconds": -1}), PolicyInvalid)
     assert isinstance(resolve_policy(OURS, {"mergeUndoSeconds": -1}), PolicyInvalid)
+
+
+def test_a_refused_value_nested_a_thousand_deep_is_refused_not_raised() -> None:
+    """orjson reads JSON nested up to 1,024 deep; a message that showed such a value with
+    ``repr`` raised RecursionError while being built: a policy override then failed every
+    evaluation of its topics with a traceback instead of being refused."""
+    deep = orjson.loads(b"[" * 1000 + b"]" * 1000)
+    refused = resolve_policy(OURS, {"mergeWindowSeconds": deep})
+    assert isinstance(refused, PolicyInvalid) and "[[[" in refused.detail
+    with pytest.raises(ModelError, match="msgRateIn"):
+        load_sample_from_json({"msgRateIn": deep, "changedAtMs": 1})

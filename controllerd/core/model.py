@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
@@ -43,7 +44,7 @@ class TopicName:
     def __post_init__(self) -> None:
         for part in (self.tenant, self.namespace, self.topic):
             if not part or "/" in part:
-                raise ModelError(f"invalid topic name part {part!r} in {self.path}")
+                raise ModelError(f"invalid topic name part {shown(part)} in {self.path}")
         object.__setattr__(self, "_hash", hash((self.tenant, self.namespace, self.topic)))
 
     def __hash__(self) -> int:
@@ -63,7 +64,7 @@ class TopicName:
     def parse(cls, text: str) -> TopicName:
         parts = text.strip("/").split("/")
         if len(parts) != 3:
-            raise ModelError(f"topic name {text!r} is not tenant/namespace/topic")
+            raise ModelError(f"topic name {shown(text)} is not tenant/namespace/topic")
         return cls(*parts)
 
 
@@ -408,7 +409,7 @@ class PolicySettings:
         errs: list[str] = []
 
         def bad(name: str, rule: str, value: object) -> None:
-            errs.append(f"{prefix}.{name}: must be {rule} (got {value!r})")
+            errs.append(f"{prefix}.{name}: must be {rule} (got {shown(value)})")
 
         if self.min_segments < 1:
             bad("min_segments", ">= 1", self.min_segments)
@@ -452,7 +453,7 @@ class PolicySettings:
             if not (m >= 0 and math.isfinite(m)):
                 bad(f"merge_thresholds.{attr}", "a finite number >= 0", m)
             elif s > 0 and not s > m:
-                bad(f"split_thresholds.{attr}", f"> merge_thresholds.{attr} ({m!r})", s)
+                bad(f"split_thresholds.{attr}", f"> merge_thresholds.{attr} ({shown(m)})", s)
         return errs
 
 
@@ -509,6 +510,23 @@ _RATE_SPELLINGS: Final = (
 )
 
 
+def _bounded_repr() -> reprlib.Repr:
+    limits = reprlib.Repr()  # Python 3.11's takes no keyword arguments
+    limits.maxlevel, limits.maxdict, limits.maxlist = 3, 4, 6
+    limits.maxstring = limits.maxother = 60
+    return limits
+
+
+_SHOWN: Final = _bounded_repr()
+
+
+def shown(value: object) -> str:
+    """``value`` as a message shows a value it refuses: a bounded repr. A plain repr of
+    JSON nested 1,000 deep (orjson reads up to 1,024) raised RecursionError while the
+    message was being built, and a long one filled the log line."""
+    return _SHOWN.repr(value)
+
+
 #: Largest int taken as a float without a range check (orjson's ints are 64-bit), and
 #: the bound of every stored integer (a signed 64-bit long).
 _FLOAT_INT_MAX: Final = 2**63
@@ -524,12 +542,12 @@ def _int(obj: Mapping[str, Any], key: str, where: str, default: int | None = Non
     if value is None:
         raise ModelError(f"{where}.{key}: missing")
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ModelError(f"{where}.{key}: expected an integer, got {value!r}")
+        raise ModelError(f"{where}.{key}: expected an integer, got {shown(value)}")
     if isinstance(value, float) and not value.is_integer():
-        raise ModelError(f"{where}.{key}: expected an integer, got {value!r}")
+        raise ModelError(f"{where}.{key}: expected an integer, got {shown(value)}")
     number = int(value)
     if not -_FLOAT_INT_MAX <= number < _FLOAT_INT_MAX:
-        raise ModelError(f"{where}.{key}: out of the 64-bit range, got {value!r}")
+        raise ModelError(f"{where}.{key}: out of the 64-bit range, got {shown(value)}")
     return number
 
 
@@ -543,10 +561,10 @@ def _number(obj: Mapping[str, Any], keys: tuple[str, ...], where: str) -> float:
             if kind is int and 0 <= value <= _FLOAT_INT_MAX:
                 return float(value)
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ModelError(f"{where}.{key}: expected a number, got {value!r}")
+                raise ModelError(f"{where}.{key}: expected a number, got {shown(value)}")
             number = float(value)
             if not math.isfinite(number) or number < 0:
-                raise ModelError(f"{where}.{key}: must be a finite number >= 0, got {value!r}")
+                raise ModelError(f"{where}.{key}: must be a finite number >= 0, got {shown(value)}")
             return number
     raise ModelError(f"{where}.{keys[0]}: missing")
 
@@ -556,7 +574,7 @@ def _id_list(obj: Mapping[str, Any], key: str, where: str) -> tuple[int, ...]:
     if not value:
         return ()
     if not isinstance(value, list):
-        raise ModelError(f"{where}.{key}: expected a list of segment ids, got {value!r}")
+        raise ModelError(f"{where}.{key}: expected a list of segment ids, got {shown(value)}")
     if all(type(v) is int for v in value):
         return tuple(value)
     return tuple(_int({key: v}, key, where) for v in value)
@@ -613,11 +631,11 @@ def _segment_fast(obj: Any) -> Segment | None:
 
 def segment_from_json(obj: Any, where: str = "segment") -> Segment:
     if not isinstance(obj, Mapping):
-        raise ModelError(f"{where}: expected an object, got {obj!r}")
+        raise ModelError(f"{where}: expected an object, got {shown(obj)}")
     hash_range = obj.get("hashRange")
     if not isinstance(hash_range, Mapping):
         raise ModelError(
-            f"{where}.hashRange: expected an object {{start, end}}, got {hash_range!r}"
+            f"{where}.hashRange: expected an object {{start, end}}, got {shown(hash_range)}"
         )
     state = obj.get("state")
     seg_state = _STATES.get(state) if type(state) is str else None
@@ -625,7 +643,9 @@ def segment_from_json(obj: Any, where: str = "segment") -> Segment:
         try:
             seg_state = SegmentState(str(state).upper())
         except ValueError:
-            raise ModelError(f"{where}.state: expected ACTIVE or SEALED, got {state!r}") from None
+            raise ModelError(
+                f"{where}.state: expected ACTIVE or SEALED, got {shown(state)}"
+            ) from None
     return Segment(
         segment_id=_int(obj, "segmentId", where),
         hash_range=HashRange(
@@ -671,7 +691,9 @@ def layout_from_json(obj: Any) -> Layout:
     elif isinstance(raw_segments, list):
         items = [(None, s) for s in raw_segments]
     else:
-        raise ModelError(f"layout.segments: expected an object keyed by id, got {raw_segments!r}")
+        raise ModelError(
+            f"layout.segments: expected an object keyed by id, got {shown(raw_segments)}"
+        )
     segments: dict[int, Segment] = {}
     for key, raw in items:
         seg = _segment_fast(raw) or segment_from_json(
@@ -684,10 +706,10 @@ def layout_from_json(obj: Any) -> Layout:
         segments[seg.segment_id] = seg
     properties = obj.get("properties") or {}
     if not isinstance(properties, Mapping):
-        raise ModelError(f"layout.properties: expected an object, got {properties!r}")
+        raise ModelError(f"layout.properties: expected an object, got {shown(properties)}")
     policy = obj.get("autoScalePolicy")
     if policy is not None and not isinstance(policy, Mapping):
-        raise ModelError(f"layout.autoScalePolicy: expected an object or null, got {policy!r}")
+        raise ModelError(f"layout.autoScalePolicy: expected an object or null, got {shown(policy)}")
     default_next = max(segments, default=-1) + 1
     return Layout(
         epoch=_int(obj, "epoch", "layout", 0),
@@ -716,7 +738,7 @@ def layout_to_json(layout: Layout) -> dict[str, Any]:
 
 def rates_from_json(obj: Any, where: str = "load") -> Rates:
     if not isinstance(obj, Mapping):
-        raise ModelError(f"{where}: expected an object, got {obj!r}")
+        raise ModelError(f"{where}: expected an object, got {shown(obj)}")
     values = [_number(obj, spellings, where) for spellings in _RATE_SPELLINGS]
     return Rates(*values)
 
@@ -744,10 +766,10 @@ def load_sample_from_json(
     peak = obj.get("peakRates")
     flipflops = _int(obj, "flipflops", where, 0)
     if flipflops < 0:
-        raise ModelError(f"{where}.flipflops: must be >= 0, got {flipflops!r}")
+        raise ModelError(f"{where}.flipflops: must be >= 0, got {shown(flipflops)}")
     merged = _int(obj, "merged", where, 0)
     if merged < 0:
-        raise ModelError(f"{where}.merged: must be >= 0, got {merged!r}")
+        raise ModelError(f"{where}.merged: must be >= 0, got {shown(merged)}")
     return LoadSample(
         rates,
         changed,

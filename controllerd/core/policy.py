@@ -59,6 +59,7 @@ from controllerd.core.model import (
     Rates,
     Segment,
     Split,
+    shown,
 )
 
 
@@ -174,9 +175,11 @@ def _coerce(name: str, value: Any) -> _Value | str:
     normalised here so that no value that passed can crash ``decide`` later.
     """
     if name in _BOOL_FIELDS:
-        return _Value(value) if isinstance(value, bool) else f"expected true/false, got {value!r}"
+        return (
+            _Value(value) if isinstance(value, bool) else f"expected true/false, got {shown(value)}"
+        )
     if isinstance(value, bool) or not isinstance(value, int | float):
-        return f"expected a number, got {value!r}"
+        return f"expected a number, got {shown(value)}"
     if isinstance(value, int) and name in _INT_FIELDS:
         # Pulsar's override fields are Java ints; an exact check, since float()
         # would round integers beyond 2**53.
@@ -189,7 +192,7 @@ def _coerce(name: str, value: Any) -> _Value | str:
         return f"{str(value)[:20]}... is out of range"
     if name in _INT_FIELDS:
         if not number.is_integer():
-            return f"expected an integer, got {value!r}"
+            return f"expected an integer, got {shown(value)}"
         return _Value(int(number))
     return _Value(number)
 
@@ -1547,17 +1550,17 @@ def _count(value: Any) -> int:
     ValueError (the range is dropped). A larger one would fail the next write of the
     history (orjson), and that write follows every layout change of the topic."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise ValueError(f"not a count: {value!r}")
+        raise ValueError(f"not a count: {shown(value)}")
     return value
 
 
 def _finite(value: Any) -> float:
     """A stored rise or peak: a finite number >= 0, else ValueError (the range is dropped)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"not a number: {value!r}")
+        raise ValueError(f"not a number: {shown(value)}")
     number = float(value)
     if not (number >= 0 and math.isfinite(number)):
-        raise ValueError(f"not a finite number >= 0: {value!r}")
+        raise ValueError(f"not a finite number >= 0: {shown(value)}")
     return number
 
 
@@ -1565,12 +1568,12 @@ def _stamp(value: Any) -> int:
     """A stored time (ms): an integer that fits a signed 64-bit long, else ValueError (the
     range is dropped). A larger one would fail the next write of the history (orjson)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"not a time: {value!r}")
+        raise ValueError(f"not a time: {shown(value)}")
     if isinstance(value, float) and not value.is_integer():
-        raise ValueError(f"not a whole number of ms: {value!r}")
+        raise ValueError(f"not a whole number of ms: {shown(value)}")
     stamp = int(value)
     if not -(2**63) <= stamp < 2**63:
-        raise ValueError(f"out of range: {value!r}")
+        raise ValueError(f"out of range: {shown(value)}")
     return stamp
 
 

@@ -53,7 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from controllerd.core.model import ModelError, TopicName
+from controllerd.core.model import ModelError, TopicName, shown
 
 JavaType = Literal["Boolean", "Integer", "Long", "Double"]
 
@@ -119,7 +119,7 @@ def decode_topic_name(encoded: str) -> str:
             ``URLDecoder`` refuses (IllegalArgumentException) too.
     """
     if _MALFORMED_ESCAPE.search(encoded):
-        raise ModelError(f"topic key component {encoded!r} has a malformed %-escape")
+        raise ModelError(f"topic key component {shown(encoded)} has a malformed %-escape")
     return urllib.parse.unquote_plus(encoded, encoding="utf-8", errors="replace")
 
 
@@ -154,7 +154,7 @@ def rest_path_topic(local_name: str) -> str:
     bad = sorted({c for c in local_name if c not in _PCHAR})
     if bad:
         raise ModelError(
-            f"topic name {local_name!r} contains {bad!r}, which a URL path cannot carry "
+            f"topic name {shown(local_name)} contains {shown(bad)}, which a URL path cannot carry "
             "unescaped; Pulsar's scalable-topic REST API does not decode escaped names "
             "(except on create), so this topic cannot be split or merged through it"
         )
@@ -171,9 +171,9 @@ def _coerce(name: str, java: JavaType, value: Any, where: str) -> bool | int | f
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
-        raise ModelError(f"{where}.{name}: expected a boolean, got {value!r}")
+        raise ModelError(f"{where}.{name}: expected a boolean, got {shown(value)}")
     if isinstance(value, bool):
-        raise ModelError(f"{where}.{name}: expected a number, got {value!r}")
+        raise ModelError(f"{where}.{name}: expected a number, got {shown(value)}")
     number: float | int
     if isinstance(value, int | float):
         number = value
@@ -181,18 +181,18 @@ def _coerce(name: str, java: JavaType, value: Any, where: str) -> bool | int | f
         try:
             number = int(value) if java != "Double" else float(value)
         except ValueError:
-            raise ModelError(f"{where}.{name}: expected a number, got {value!r}") from None
+            raise ModelError(f"{where}.{name}: expected a number, got {shown(value)}") from None
     else:
-        raise ModelError(f"{where}.{name}: expected a number, got {value!r}")
+        raise ModelError(f"{where}.{name}: expected a number, got {shown(value)}")
     if java == "Double":
         return float(number)
     if isinstance(number, float):
         if not math.isfinite(number):
-            raise ModelError(f"{where}.{name}: expected an integer, got {value!r}")
+            raise ModelError(f"{where}.{name}: expected an integer, got {shown(value)}")
         number = int(number)  # ACCEPT_FLOAT_AS_INT: Jackson truncates
     low, high = _JAVA_RANGES[java]
     if not low <= number <= high:
-        raise ModelError(f"{where}.{name}: {value!r} is out of range of a Java {java}")
+        raise ModelError(f"{where}.{name}: {shown(value)} is out of range of a Java {java}")
     return number
 
 
@@ -210,7 +210,7 @@ def pulsar_override(raw: Any, where: str = "autoScalePolicy") -> dict[str, Any] 
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
-        raise ModelError(f"{where}: expected an object or null, got {raw!r}")
+        raise ModelError(f"{where}: expected an object or null, got {shown(raw)}")
     kept: dict[str, Any] = {}
     for name, java in AUTO_SCALE_OVERRIDE_FIELDS.items():
         value = raw.get(name)
@@ -288,7 +288,9 @@ def parse_namespace_policies(value: bytes | str | Mapping[str, Any]) -> Namespac
     seconds: float | None = None
     if retention is not None:
         if not isinstance(retention, Mapping):
-            raise ModelError(f"policies.retention_policies: expected an object, got {retention!r}")
+            raise ModelError(
+                f"policies.retention_policies: expected an object, got {shown(retention)}"
+            )
         # RetentionPolicies.retentionTimeInMinutes is a Java int: absent reads as 0.
         minutes = retention.get("retentionTimeInMinutes")
         minutes = 0 if minutes is None else minutes
