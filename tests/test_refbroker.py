@@ -30,7 +30,7 @@ from controllerd.adapters.broker import (
 from controllerd.adapters.store import Put, Store, StoreUnavailable, WatchEvent
 from controllerd.core.layout import initial_layout, violations
 from controllerd.core.loadreport import ReportRule
-from controllerd.core.model import TopicName, layout_from_json
+from controllerd.core.model import TopicName, layout_from_json, layout_to_json
 from controllerd.core.shards import shard_name, shard_of
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import ManualClock
@@ -431,6 +431,101 @@ async def test_bad_names_and_unusable_stored_values_are_refused_with_a_reason(
                 f"{segment}/0000-ffff-0", headers={"X-Fencing-Token": str(ref.token)}
             )
             assert gone.status_code == 500 and "unusable" in gone.json()["reason"]
+
+
+def _stored_layout(**change: object) -> bytes:
+    """A valid layout's JSON with top-level fields set (as text: ``change`` may hold
+    what no encoder writes)."""
+    text = json.dumps(layout_to_json(initial_layout(1)))
+    for field, raw in change.items():
+        text = text[:-1] + f', "{field}": {raw}}}'
+    return text.encode()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(_stored_layout(properties='{"k": "\\ud800"}'), id="lone-surrogate"),
+        pytest.param(_stored_layout(extra="NaN"), id="nan"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep"),
+        # strict JSON, but the core's error message shows the value: RecursionError
+        pytest.param(b'{"segments": ' + b"[" * 1000 + b"]" * 1000 + b"}", id="deep-in-message"),
+        # strict JSON and a valid layout, but nested too deep to answer or write back
+        pytest.param(_stored_layout(extra="[" * 990 + "]" * 990), id="deep-field"),
+    ],
+)
+async def test_a_stored_layout_no_encoder_can_write_is_a_500_with_a_reason(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str, value: bytes
+) -> None:
+    """Stdlib json took a lone surrogate or NaN, which the answer's encoder refused, and
+    raised RecursionError on a deep value: a bare 500 with a traceback each."""
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        await ref.store.put(ref.keys.layout(topic), value)
+        async with httpx.AsyncClient(base_url=ref.url) as http:
+            got = await http.get(f"/admin/v2/scalable/{topic.path}")
+        assert got.status_code == 500
+        reason = got.json()["reason"]
+        assert f"stored layout of {topic} is unusable" in reason and len(reason) <= 300
+
+
+async def test_a_stored_layout_kafka_cannot_name_is_a_500_with_a_reason(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    """A hash range beyond 16 bits parsed, and deleting the topic raised ValueError out
+    of segment_topic (a bare 500 with a traceback)."""
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        wide = layout_to_json(initial_layout(1))
+        wide["segments"]["0"]["hashRange"]["end"] = 0x1FFFF
+        await ref.store.put(ref.keys.layout(topic), json.dumps(wide).encode())
+        async with httpx.AsyncClient(base_url=ref.url) as http:
+            for method in ("DELETE", "GET"):
+                got = await http.request(method, f"/admin/v2/scalable/{topic.path}")
+                assert got.status_code == 500
+                assert "'0000-1ffff-0' is not a segment descriptor" in got.json()["reason"]
+        assert await ref.store.get(ref.keys.layout(topic)) is not None  # nothing deleted
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(b'{"endOffset": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", id="deep"),
+        pytest.param(b'{"endOffset": Infinity}', id="infinity"),  # int() raised OverflowError
+    ],
+)
+async def test_an_unusable_stored_seal_is_a_500_with_a_reason(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str, value: bytes
+) -> None:
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        await ref.client.create_subscription(topic, "s", "STREAM")
+        await ref.store.put(seal_key(ref.keys, topic, 0), value)
+        path = f"/admin/v2/segments/{topic.path}/0000-ffff-0/subscription/s/backlog"
+        async with httpx.AsyncClient(base_url=ref.url) as http:
+            got = await http.get(path)
+        assert got.status_code == 500
+        assert f"stored seal of {topic} segment 0 is unusable" in got.json()["reason"]
+
+
+async def test_a_descriptor_with_a_digit_kafka_cannot_name_is_not_a_segment(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, kafka_broker: str
+) -> None:
+    """``\\d`` took "٣" (Arabic-Indic three) as segment id 3; segment_topic then raised
+    ValueError: a bare 500 with a traceback."""
+    async with open_ref(etcd_server, etcd_prefix, store, kafka_broker) as ref:
+        topic = ref.topic
+        await ref.client.create_topic(topic, 1)
+        await ref.client.create_subscription(topic, "s", "STREAM")
+        segment = f"/admin/v2/segments/{topic.path}/0000-ffff-\u0663"
+        async with httpx.AsyncClient(base_url=ref.url) as http:
+            backlog = await http.get(f"{segment}/subscription/s/backlog")
+            delete = await http.delete(segment, headers={"X-Fencing-Token": str(ref.token)})
+        for got in (backlog, delete):
+            assert got.status_code == 404 and "not a segment descriptor" in got.json()["reason"]
 
 
 async def test_a_repeated_create_never_brings_back_a_segment_gc_deleted(

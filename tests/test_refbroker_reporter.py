@@ -15,12 +15,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import structlog
 from aiokafka import AIOKafkaProducer
 
 from controllerd import config as config_mod
 from controllerd.adapters.store import Store
+from controllerd.core.layout import initial_layout
 from controllerd.core.loadreport import ReportRule
-from controllerd.core.model import HashRange, Rates, TopicName
+from controllerd.core.model import (
+    HashRange,
+    Layout,
+    Rates,
+    Segment,
+    SegmentState,
+    TopicName,
+    layout_to_json,
+)
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import ManualClock
 from controllerd.refbroker.kafka import Sampled, open_kafka
@@ -190,3 +200,73 @@ async def test_a_change_is_written_once_a_window_lies_wholly_in_it(
         assert await b.window(5.0, seg, (keys * 4)[:350]) == 0  # back to 70 msg/s
         assert not b.reporter.held
         assert await b.record(0) == burst
+
+
+def _layout_bytes(layout: Layout) -> bytes:
+    return json.dumps(layout_to_json(layout)).encode()
+
+
+def _unusable_layout(case: str) -> bytes:
+    """Layout values another writer may leave in the shared prefix; each ended the
+    reporter (and the broker with it, again after every restart)."""
+    if case == "deep":  # RecursionError out of json.loads
+        return b"[" * 100_000 + b"]" * 100_000
+    if case == "deep-in-message":  # strict JSON, but the core's error message shows it
+        return b'{"segments": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    if case == "wide":  # parses; segment_topic refuses "0000-1ffff-0"
+        wide = layout_to_json(initial_layout(1))
+        wide["segments"]["0"]["hashRange"]["end"] = 0x1FFFF
+        return json.dumps(wide).encode()
+    assert case == "negative"  # holds every invariant, but "0000-ffff--1" is no segment topic
+    segment = Segment(-1, HashRange(0, 0xFFFF), SegmentState.ACTIVE)
+    return _layout_bytes(Layout(epoch=0, next_segment_id=0, segments={-1: segment}))
+
+
+@pytest.mark.parametrize("case", ["deep", "deep-in-message", "wide", "negative"])
+async def test_an_unusable_layout_is_skipped_counted_and_said_once(
+    store: Store, etcd_prefix: str, kafka_broker: str, case: str
+) -> None:
+    """The reporter goes on measuring every usable topic; a repaired layout is used again."""
+    async with bench(store, etcd_prefix, kafka_broker) as b:
+        await b.broker.create_topic(b.topic, 1)
+        bad = b.keys.layout(TopicName("acme", "ns", f"{b.topic.topic}-{case}"))
+        await store.put(bad, _unusable_layout(case))
+        with structlog.testing.capture_logs() as logs:
+            assert await b.reporter.report_once() == 0
+            assert await b.window(10.0, "0000-ffff-0", keys_in(0, 0xFFFF, 10)) == 1
+        record = await b.record(0)
+        assert record is not None and record["msgRateIn"] == pytest.approx(1.0)
+        assert b.reporter.skipped == {"layout": 2}
+        assert b.reporter.unusable == {bad}
+        said = [e for e in logs if e["event"] == "reporter.value_skipped"]
+        assert [(e["kind"], e["key"]) for e in said] == [("layout", bad)]
+        await store.put(bad, _layout_bytes(initial_layout(1)))
+        await b.reporter.report_once()  # its segment topic does not exist: skipped as gone
+        assert b.reporter.unusable == set() and b.reporter.skipped == {"layout": 2}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep"),  # RecursionError
+        pytest.param(b'{"msgRateIn": 1' + b"0" * 400 + b', "changedAtMs": 1}', id="overflow"),
+    ],
+)
+async def test_an_unusable_stored_load_record_is_counted_and_replaced(
+    store: Store, etcd_prefix: str, kafka_broker: str, value: bytes
+) -> None:
+    """The record read to seed the last written one raised out of report_once (stdlib
+    json parsed the overflow, and the core's float() of it raised OverflowError)."""
+    async with bench(store, etcd_prefix, kafka_broker) as b:
+        await b.broker.create_topic(b.topic, 1)
+        key = b.keys.load(b.topic, 0)
+        await store.put(key, value)
+        with structlog.testing.capture_logs() as logs:
+            assert await b.reporter.report_once() == 0
+            assert await b.window(10.0, "0000-ffff-0", keys_in(0, 0xFFFF, 10)) == 1
+        record = await b.record(0)
+        assert record is not None and record["msgRateIn"] == pytest.approx(1.0)
+        assert b.reporter.skipped == {"load": 1}
+        assert b.reporter.unusable == set()  # the write replaced it
+        said = [e for e in logs if e["event"] == "reporter.value_skipped"]
+        assert [(e["kind"], e["key"]) for e in said] == [("load", key)]

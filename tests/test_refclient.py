@@ -17,10 +17,11 @@ from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import pytest
+import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import UnknownTopicOrPartitionError
@@ -802,3 +803,84 @@ async def test_producer_does_not_bring_back_a_deleted_segment(
             assert await send_all(3) == {3, 4, 5, 6}
         listed = await sim.admin.list_topics()
         assert [p for p in parents if p in listed] == []
+
+
+# --- garbage in etcd ---------------------------------------------------------------------------
+
+
+_DEEP: Final = b"[" * 100_000 + b"]" * 100_000
+
+
+def _garbage(sim: SimBroker, case: str) -> tuple[str, bytes]:
+    """A key of the topic's subtree and a value another writer may leave there."""
+    if case == "layout-deep":  # RecursionError out of json.loads
+        return sim.keys.layout(sim.topic), _DEEP
+    if case == "layout-deep-in-message":  # strict JSON; the core's error message shows it
+        return sim.keys.layout(sim.topic), b'{"segments": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    if case == "layout-negative-id":  # every invariant holds; "0000-ffff--1" has no topic
+        segment = Segment(-1, HashRange(0, 0xFFFF), SegmentState.ACTIVE)
+        negative = Layout(epoch=1, next_segment_id=0, segments={-1: segment})
+        return sim.keys.layout(sim.topic), json.dumps(layout_to_json(negative)).encode()
+    if case == "sealing":
+        return sealing_key(sim.keys, sim.topic), _DEEP
+    if case == "seal":
+        return seal_key(sim.keys, sim.topic, 0), _DEEP
+    assert case == "registration"
+    return sim.keys.consumer(sim.topic, "s", "ghost"), _DEEP
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "layout-deep",
+        "layout-deep-in-message",
+        "layout-negative-id",
+        "sealing",
+        "seal",
+        "registration",
+    ],
+)
+async def test_garbage_in_the_topic_subtree_ends_neither_producer_nor_consumer(
+    store: Store, etcd_prefix: str, kafka_broker: str, case: str
+) -> None:
+    """Each value raised out of the watch (RecursionError where only ValueError was
+    caught; ValueError out of segment_topic for the negative id), which ended the
+    producer or consumer. Now an unusable layout is ignored, the last usable one stays
+    and delivery waits for a usable one; an unreadable intent holds every segment back
+    until it is gone; an unreadable seal or registration is ignored."""
+    async with (
+        sim_broker(store, etcd_prefix, kafka_broker, 1) as sim,
+        # retain_limit 1: every send's trim reads the layout afresh
+        open_producer(store, sim.keys, kafka_broker, sim.topic, retain_limit=1) as producer,
+        open_consumer(store, sim.keys, kafka_broker, sim.topic, "s", "c") as consumer,
+    ):
+        got: list[Message] = []
+
+        async def consume() -> None:
+            async for message in consumer.messages():
+                got.append(message)
+
+        followers = (producer._follower, consumer._follower)  # no public view of the watch
+        with structlog.testing.capture_logs() as logs, anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                await producer.send(*kv("k", 0))
+                await eventually(lambda: len(got) == 1)
+                key, value = _garbage(sim, case)
+                revision = await store.put(key, value)
+                await eventually(lambda: all(f.revision >= revision for f in followers))
+                assert all(f.layout == sim.layout for f in followers)
+                assert (await producer.send(*kv("k", 1))).segment_id == 0
+                if case.startswith("layout"):
+                    # the consumer's fresh read of the layout found it unusable
+                    await eventually(
+                        lambda: any(e["event"] == "refclient.consumer.end_unknown" for e in logs)
+                    )
+                    await sim.write_layout(sim.layout)  # repaired
+                elif case == "sealing":
+                    await store.delete(key)  # the broker's lease ended it
+                await eventually(lambda: len(got) == 2)
+                tg.cancel_scope.cancel()
+    assert [(m.segment_id, m.offset) for m in got] == [(0, 0), (0, 1)]
+    if case.startswith("layout"):
+        assert any(e["event"] == "refclient.layout.invalid" for e in logs)

@@ -75,6 +75,12 @@ Limits:
   offset + 1; a broker that uses that number seals too low, and the producer then
   re-sends messages that consumers may already have delivered.)
 
+Values in etcd may be garbage. Every one is parsed as strict JSON (orjson: no
+depth beyond 1024, NaN or lone surrogate, all ValueError); an unusable layout is
+logged and ignored (the last usable one stays), an unreadable ``sealing`` intent
+names every segment, an unreadable seal is ignored and an unreadable registration
+claims nothing. None of them ends a background task.
+
 All background work (``refclient-watch``, ``refclient-sealer``,
 ``refclient-keepalive``, ``refclient-offsets``) runs in a task group owned by the
 context manager; if one fails the context exits with its exception (wrapped in an
@@ -104,9 +110,9 @@ from aiokafka.structs import OffsetAndMetadata
 
 from controllerd.adapters import backoff
 from controllerd.adapters.store import LeaseNotFound, Store, StoreError, WatchCompacted
-from controllerd.core.layout import LayoutError, check
-from controllerd.core.model import Layout, ModelError, TopicName, layout_from_json
-from controllerd.core.view import Keys
+from controllerd.core.layout import check
+from controllerd.core.model import Layout, TopicName, layout_from_json
+from controllerd.core.view import Keys, parse_json
 from controllerd.refbroker.naming import (
     check_name_part,
     key_hash,
@@ -144,6 +150,8 @@ _FETCH_WAIT_MS: Final = 1000
 _FETCH_MAX_WAIT_MS: Final = 100
 #: Seconds between keep-alive attempts after one failed (until the lease runs out).
 _KEEPALIVE_RETRY: Final = 0.25
+#: Characters of a parse error a log line keeps (a garbage value may be megabytes).
+_ERROR_CHARS: Final = 300
 
 
 class RefClientError(Exception):
@@ -189,8 +197,23 @@ class _Signal:
         await self.wait_for(lambda: self.version > version)
 
 
-def _parse_layout(value: bytes) -> Layout:
-    return check(layout_from_json(json.loads(value)))
+#: What parsing a layout raises on garbage: ValueError (orjson's JSONDecodeError,
+#: ModelError, LayoutError, a segment Kafka cannot name) or RecursionError (the core's
+#: error message shows the value, and orjson lets one nest 1024 deep, past Python's repr).
+_UNUSABLE_LAYOUT: Final = (ValueError, RecursionError)
+
+
+def _parse_layout(topic: TopicName, value: bytes) -> Layout:
+    """A usable layout of ``topic``: strict JSON, every invariant, a Kafka name for
+    every segment (a negative id holds every invariant but has none).
+
+    Raises:
+        ValueError: or RecursionError (see :data:`_UNUSABLE_LAYOUT`) for any other.
+    """
+    layout = check(layout_from_json(parse_json(value)))
+    for seg in layout.segments.values():
+        segment_topic(topic, seg.descriptor)
+    return layout
 
 
 #: What an unreadable intent names: every segment (-1) is treated as possibly sealing.
@@ -200,7 +223,7 @@ _EVERY_SEGMENT: Final = -1
 def _parse_sealing(value: bytes) -> frozenset[int]:
     """Segments a ``sealing`` intent names; an unreadable intent names every segment."""
     try:
-        raw = json.loads(value)
+        raw = parse_json(value)
         ids = raw.get("segments") if isinstance(raw, dict) else None
         if isinstance(ids, list) and all(
             isinstance(i, int) and not isinstance(i, bool) for i in ids
@@ -226,7 +249,7 @@ async def _fresh_sealing(store: Store, key: str) -> tuple[frozenset[int], int]:
 def _parse_claims(value: bytes) -> frozenset[int]:
     """Segments a registration claims; a registration without claims (or unparsable) has none."""
     try:
-        raw = json.loads(value)
+        raw = parse_json(value)
         ids = raw.get("segments", []) if isinstance(raw, dict) else []
         return frozenset(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool))
     except (ValueError, TypeError):
@@ -248,6 +271,7 @@ class _TopicFollower:
     ) -> None:
         self._store = store
         self._signal = signal
+        self.topic = topic
         self.root = keys.layout(topic)
         self.sealing_key = sealing_key(keys, topic)
         self._segments_prefix = f"{self.root}/segments/"
@@ -298,9 +322,9 @@ class _TopicFollower:
     def _put(self, key: str, value: bytes) -> bool:
         if key == self.root:
             try:
-                self.layout = _parse_layout(value)
-            except (ValueError, ModelError, LayoutError) as exc:
-                log.warning("refclient.layout.invalid", key=key, error=str(exc))
+                self.layout = _parse_layout(self.topic, value)
+            except _UNUSABLE_LAYOUT as exc:
+                log.warning("refclient.layout.invalid", key=key, error=str(exc)[:_ERROR_CHARS])
                 return False
             return True
         if key == self.sealing_key:
@@ -309,7 +333,7 @@ class _TopicFollower:
         if key.startswith(self._segments_prefix) and key.endswith("/seal"):
             sid = key[len(self._segments_prefix) : -len("/seal")]
             try:
-                end = json.loads(value)["endOffset"]
+                end = parse_json(value)["endOffset"]
             except (ValueError, TypeError, KeyError):
                 end = None
             if not sid.isdigit() or not isinstance(end, int) or isinstance(end, bool) or end < 0:
@@ -675,8 +699,8 @@ class Producer:
         if kv is None:
             raise TopicNotFound(self._topic.path)
         try:
-            fresh = _parse_layout(kv.value)
-        except (ValueError, ModelError, LayoutError):
+            fresh = _parse_layout(self._topic, kv.value)
+        except _UNUSABLE_LAYOUT:
             return kv.mod_revision
         active = {s.segment_id for s in fresh.active_segments()}
         for sid, count in marks.items():
@@ -1025,8 +1049,8 @@ class Consumer:
             if kv is None:
                 raise TopicNotFound(self._topic.path)
             try:
-                fresh = _parse_layout(kv.value)
-            except (ValueError, ModelError, LayoutError):
+                fresh = _parse_layout(self._topic, kv.value)
+            except _UNUSABLE_LAYOUT:
                 unknown_end += unfenced
                 revision = kv.mod_revision  # wait for a newer, valid layout
                 wait_beyond = revision if wait_beyond is None else max(wait_beyond, revision)

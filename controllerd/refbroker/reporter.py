@@ -25,12 +25,20 @@ the msg/s in of each of ``n = min(32, W)`` equal slices of the segment's hash
 range (``naming.slice_starts``), from the keys of the messages read back
 (``KafkaBackend.sample``), so a controller can split where the load is. The
 histogram never decides whether a record is written.
+
+Values in etcd may be garbage (the topics prefix is shared with Pulsar and any
+other writer): a layout that is not strict JSON (orjson), breaks a layout
+invariant or names a segment Kafka cannot have, and a stored load record that
+does not parse, are skipped, counted (:attr:`LoadReporter.skipped`) and logged
+once per key. They never end the reporter: that would end the broker with it,
+and again after every restart.
 """
 
 from __future__ import annotations
 
 import json
 from bisect import bisect_right
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -38,9 +46,11 @@ from typing import Final
 import structlog
 
 from controllerd.adapters.store import Store, StoreError
+from controllerd.core.layout import check
 from controllerd.core.loadreport import ReportRule, WriteReason, should_write
 from controllerd.core.model import (
     HashRange,
+    Layout,
     LoadSample,
     ModelError,
     Rates,
@@ -50,7 +60,7 @@ from controllerd.core.model import (
     load_sample_from_json,
     load_sample_to_json,
 )
-from controllerd.core.view import Keys
+from controllerd.core.view import Keys, parse_json
 from controllerd.daemon.clock import Clock
 from controllerd.refbroker.kafka import KafkaBackend, KafkaBackendError, Sampled, TopicGone
 from controllerd.refbroker.naming import key_hash, segment_topic, slice_starts, subscription_group
@@ -61,6 +71,12 @@ log = structlog.get_logger("controllerd.refbroker.reporter")
 _CONFIRMED: Final = frozenset(
     {WriteReason.MATERIAL_CHANGE, WriteReason.ZERO_CROSSING, WriteReason.THRESHOLD_CROSSING}
 )
+#: Characters of a parse error a log line keeps (a garbage value may be megabytes).
+_ERROR_CHARS: Final = 300
+#: What parsing a value from etcd raises on garbage: ValueError (orjson's JSONDecodeError,
+#: ModelError, LayoutError, a name Kafka cannot have) or RecursionError (the core's error
+#: message shows the value, and orjson lets one nest 1024 deep, past Python's repr).
+_UNUSABLE: Final = (ValueError, RecursionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +139,10 @@ class LoadReporter:
         self._held: set[tuple[TopicName, int]] = set()
         #: names no Kafka topic or group can have (said once each, then skipped)
         self.unnamed: set[str] = set()
+        #: etcd keys whose value is unusable now (said once while it stays so, then skipped)
+        self.unusable: set[str] = set()
+        #: unusable values skipped, by kind (``layout``, ``load``); each pass counts
+        self.skipped: Counter[str] = Counter()
 
     @property
     def held(self) -> frozenset[tuple[TopicName, int]]:
@@ -145,7 +165,7 @@ class LoadReporter:
         """One pass over every topic; returns how many records it wrote."""
         prefix = self._keys.topics_prefix
         kvs, _ = await self._store.get_prefix(prefix)
-        layouts = {}
+        layouts: dict[TopicName, Layout] = {}
         subscriptions: dict[TopicName, list[str]] = {}
         stored: dict[str, bytes] = {}
         for kv in kvs:
@@ -155,10 +175,10 @@ class LoadReporter:
             except (TypeError, ModelError):
                 continue
             if len(parts) == 3:
-                try:
-                    layouts[topic] = layout_from_json(json.loads(kv.value))
-                except (ModelError, ValueError):
-                    continue
+                if self._kafka_safe(topic):
+                    layout = self._usable_layout(topic, kv.key, kv.value)
+                    if layout is not None:
+                        layouts[topic] = layout
             elif len(parts) == 5 and parts[3] == "subscriptions":
                 if self._kafka_safe(topic, parts[4]):
                     subscriptions.setdefault(topic, []).append(parts[4])
@@ -167,8 +187,6 @@ class LoadReporter:
         written = 0
         measured: set[tuple[TopicName, int]] = set()
         for topic, layout in sorted(layouts.items()):
-            if not self._kafka_safe(topic):
-                continue
             for seg in layout.active_segments():
                 measured.add((topic, seg.segment_id))
                 try:
@@ -185,6 +203,8 @@ class LoadReporter:
                     )
         for gone in [k for k in self._readings if k not in measured]:
             self._forget(gone)
+        if self.unusable:  # a deleted key is said again if it comes back unusable
+            self.unusable.intersection_update(kv.key for kv in kvs)
         return written
 
     def _kafka_safe(self, topic: TopicName, sub: str | None = None) -> bool:
@@ -202,6 +222,31 @@ class LoadReporter:
                 log.warning("reporter.name_skipped", name=name, error=str(exc))
             return False
         return True
+
+    def _usable_layout(self, topic: TopicName, key: str, value: bytes) -> Layout | None:
+        """The layout in ``value``, or None (skipped, counted, said once) if it is unusable.
+
+        Usable: strict JSON (orjson: no depth beyond 1024, NaN or lone surrogate, all
+        ValueError), a layout holding every invariant (a hash range beyond 16 bits
+        would name a segment topic :func:`segment_topic` refuses) and a Kafka name for
+        every active segment (a negative or endless segment id has none).
+        """
+        try:
+            layout = check(layout_from_json(parse_json(value)))
+            for seg in layout.active_segments():
+                segment_topic(topic, seg.descriptor)
+        except _UNUSABLE as exc:
+            self._skip("layout", key, exc)
+            return None
+        self.unusable.discard(key)
+        return layout
+
+    def _skip(self, kind: str, key: str, exc: Exception) -> None:
+        """Count an unusable value; say so once per key until it is usable again."""
+        self.skipped[kind] += 1
+        if key not in self.unusable:
+            self.unusable.add(key)
+            log.warning("reporter.value_skipped", kind=kind, key=key, error=str(exc)[:_ERROR_CHARS])
 
     def _forget(self, key: tuple[TopicName, int]) -> None:
         self._readings.pop(key, None)
@@ -235,7 +280,7 @@ class LoadReporter:
         rates = Rates(msg_in, msg_in * size, msg_out, msg_out * size)
         key = self._keys.load(topic, sid)
         now = self._clock.now_ms()
-        last = self._written.get(ident) or self._seed(stored.get(key))
+        last = self._written.get(ident) or self._seed(key, stored.get(key))
         reason = should_write(
             self._rule,
             last.sample.rates if last else None,
@@ -266,6 +311,7 @@ class LoadReporter:
             record["hashBuckets"] = buckets
         await self._store.put(key, json.dumps(record).encode())
         self._written[ident] = _Written(sample, now)
+        self.unusable.discard(key)  # an unusable record it replaced
         log.debug(
             "reporter.wrote",
             topic=str(topic),
@@ -276,12 +322,18 @@ class LoadReporter:
         )
         return True
 
-    @staticmethod
-    def _seed(raw: bytes | None) -> _Written | None:
+    def _seed(self, key: str, raw: bytes | None) -> _Written | None:
+        """The record stored at ``key`` as the last written; None if absent or unusable.
+
+        An unusable record (strict JSON, as for layouts) is skipped and counted; the
+        next write replaces it.
+        """
         if raw is None:
             return None
         try:
-            sample = load_sample_from_json(json.loads(raw))
-        except (ModelError, ValueError):
+            sample = load_sample_from_json(parse_json(raw))
+        except _UNUSABLE as exc:
+            self._skip("load", key, exc)
             return None
+        self.unusable.discard(key)
         return _Written(sample, sample.sampled_at_ms or sample.changed_at_ms)

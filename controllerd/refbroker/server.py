@@ -22,6 +22,11 @@ Sealing is atomic: the layout that seals segments and every sealed segment's
 a ``sealing`` intent (on a short lease) has told clients to treat the
 segments as possibly sealed; see :meth:`RefBroker._seal_and_write`.
 
+Stored values may be garbage (the metadata prefix is shared): a layout or seal
+that is not strict JSON (orjson), or a layout this broker could not name in
+Kafka or write back, is answered 500 with a reason naming it, never with a
+traceback.
+
 Extensions over Pulsar: k-way splits with ``?boundaries=b1,b2,...`` and a
 DELETE of a segment that refuses (409 ``backlog``) while any subscription still
 has backlog on it.
@@ -32,11 +37,12 @@ from __future__ import annotations
 import hmac
 import json
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import anyio
+import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -46,9 +52,16 @@ from starlette.routing import Route
 from controllerd.adapters import backoff
 from controllerd.adapters.store import Compare, Delete, Put, Store, StoreError
 from controllerd.core import layout as layout_ops
-from controllerd.core.model import Layout, ModelError, TopicName, layout_from_json, layout_to_json
+from controllerd.core.model import (
+    Layout,
+    ModelError,
+    Segment,
+    TopicName,
+    layout_from_json,
+    layout_to_json,
+)
 from controllerd.core.shards import DEFAULT_SHARDS, shard_name, shard_of
-from controllerd.core.view import Keys
+from controllerd.core.view import Keys, parse_json
 from controllerd.daemon.clock import Clock
 from controllerd.refbroker.kafka import KafkaBackend, KafkaBackendError
 from controllerd.refbroker.naming import (
@@ -60,7 +73,8 @@ from controllerd.refbroker.naming import (
 
 log = structlog.get_logger("controllerd.refbroker")
 
-_DESCRIPTOR = re.compile(r"([0-9a-f]{4})-([0-9a-f]{4})-(\d+)")
+#: ASCII digits only: ``\d`` took "٣" as a segment id that no segment topic can have.
+_DESCRIPTOR = re.compile(r"([0-9a-f]{4})-([0-9a-f]{4})-([0-9]+)")
 #: Layout writes that lose a race with another writer are retried this often.
 CAS_ATTEMPTS = 5
 #: Seconds a ``sealing`` intent outlives a broker that died between reading the
@@ -68,6 +82,13 @@ CAS_ATTEMPTS = 5
 SEALING_TTL = 30
 FENCING_TOKEN_HEADER = "x-fencing-token"
 FENCING_KEY_HEADER = "x-fencing-key"
+#: Characters of a parse error a 500's reason keeps (a garbage value may be megabytes).
+_REASON_CHARS: Final = 300
+#: What reading a stored value raises on garbage: ValueError (orjson's JSONDecodeError,
+#: ModelError, a name Kafka cannot have), RecursionError (the core's error message shows
+#: the value, and orjson lets one nest 1024 deep, past Python's repr) and
+#: orjson.JSONEncodeError (a TypeError: nested too deep to write back).
+_UNUSABLE: Final = (ValueError, RecursionError, orjson.JSONEncodeError)
 
 
 class Refused(Exception):
@@ -131,13 +152,24 @@ class RefBroker:
     # -- helpers -------------------------------------------------------------------------
 
     async def read_layout(self, topic: TopicName) -> tuple[Layout, int]:
+        """The stored layout and its mod revision.
+
+        Invariant: a layout returned can be written back and rendered
+        (:func:`_layout_bytes`) and every segment of it named in Kafka.
+
+        Raises:
+            Refused: 404 without a layout, 500 (with the reason) for an unusable one.
+        """
         kv = await self.store.get(self.keys.layout(topic))
         if kv is None:
             raise Refused(404, f"topic {topic} does not exist")
         try:
-            return layout_from_json(json.loads(kv.value)), kv.mod_revision
-        except (ModelError, ValueError) as exc:
-            raise Refused(500, f"stored layout of {topic} is unusable: {exc}") from exc
+            layout = layout_from_json(parse_json(kv.value))
+            _layout_bytes(layout)
+        except _UNUSABLE as exc:
+            raise _unusable(f"stored layout of {topic}", exc) from exc
+        _segment_topics(topic, layout.segments.values())
+        return layout, kv.mod_revision
 
     def shard_key(self, topic: TopicName) -> str:
         """The fencing key of ``topic``'s shard in sharded mode."""
@@ -189,6 +221,10 @@ class RefBroker:
                 new = layout_ops.check(change(old))
             except layout_ops.LayoutError as exc:
                 raise Refused(_LAYOUT_ERRORS.get(exc.code, 412), str(exc), exc.code) from exc
+            try:
+                body = _layout_bytes(new)
+            except orjson.JSONEncodeError as exc:  # e.g. an epoch at the end of 64 bits
+                raise _unusable(f"new layout of {topic}", exc) from exc
             await self._create_children(topic, old, new)
             compares = [Compare.mod_revision(self.keys.layout(topic), revision)]
             if fence is not None:
@@ -200,9 +236,9 @@ class RefBroker:
                 and (before := old.segments.get(sid)) is not None
                 and before.active
             )
-            if await self._seal_and_write(topic, new, sealed, compares):
+            if await self._seal_and_write(topic, new, body, sealed, compares):
                 return old, new
-            if await self._stored(self.keys.layout(topic), _layout_bytes(new)):
+            if await self._stored(self.keys.layout(topic), body):
                 return old, new  # applied by an attempt whose answer etcd lost (store retry)
             await self._check_fence(fence)
             if await self.store.get(sealing_key(self.keys, topic)) is not None:
@@ -210,9 +246,14 @@ class RefBroker:
         raise Refused(409, f"layout of {topic} kept changing; try again", "conflict")
 
     async def _seal_and_write(
-        self, topic: TopicName, new: Layout, sealed: list[int], compares: list[Compare]
+        self,
+        topic: TopicName,
+        new: Layout,
+        body: bytes,
+        sealed: list[int],
+        compares: list[Compare],
     ) -> bool:
-        """Write ``new`` and the seal of every segment in ``sealed`` in one transaction.
+        """Write ``new`` (as ``body``) and the seal of every segment in ``sealed`` in one txn.
 
         1. A transaction guarded by ``compares`` puts the ``sealing`` intent on a
            lease of :data:`SEALING_TTL` seconds. From then on clients neither
@@ -226,7 +267,7 @@ class RefBroker:
         A failure anywhere leaves the layout unsealed and no seal key; the intent
         is revoked (or expires with its lease). False: a compare failed.
         """
-        layout_put = Put(self.keys.layout(topic), _layout_bytes(new))
+        layout_put = Put(self.keys.layout(topic), body)
         if not sealed:
             return (await self.store.txn(compares, [layout_put])).succeeded
         intent = sealing_key(self.keys, topic)
@@ -266,22 +307,29 @@ class RefBroker:
         return kv is not None and kv.value == value
 
     async def _create_children(self, topic: TopicName, old: Layout, new: Layout) -> None:
-        names = [
-            segment_topic(topic, s.descriptor)
-            for sid, s in new.segments.items()
-            if sid not in old.segments
-        ]
-        await self.kafka.create_topics(names)
+        children = [s for sid, s in new.segments.items() if sid not in old.segments]
+        await self.kafka.create_topics(_segment_topics(topic, children))
 
     async def seal_end(self, topic: TopicName, segment_id: int) -> int | None:
+        """A sealed segment's ``endOffset``; None if it has no seal.
+
+        Only an integer >= 0 is one, as for the client (``"12"`` or ``1.5`` is not).
+
+        Raises:
+            Refused: 500 (with the reason) for an unusable seal.
+        """
         kv = await self.store.get(seal_key(self.keys, topic, segment_id))
         if kv is None:
             return None
+        what = f"stored seal of {topic} segment {segment_id}"
         try:
-            return int(json.loads(kv.value)["endOffset"])
-        except (ValueError, TypeError, KeyError) as exc:
-            reason = f"stored seal of {topic} segment {segment_id} is unusable: {exc}"
-            raise Refused(500, reason) from exc
+            raw = parse_json(kv.value)
+        except ValueError as exc:  # JSONDecodeError: never RecursionError
+            raise _unusable(what, exc) from exc
+        end = raw.get("endOffset") if isinstance(raw, dict) else None
+        if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+            raise Refused(500, f"{what} is unusable: no endOffset that is an integer >= 0")
+        return end
 
     # -- topics --------------------------------------------------------------------------
 
@@ -308,8 +356,8 @@ class RefBroker:
 
     async def delete_topic(self, topic: TopicName) -> None:
         layout, _ = await self.read_layout(topic)
-        for seg in layout.segments.values():
-            await self.kafka.delete_topic(segment_topic(topic, seg.descriptor))
+        for name in _segment_topics(topic, layout.segments.values()):
+            await self.kafka.delete_topic(name)
         await self.store.delete_prefix(self.keys.layout(topic) + "/")
         await self.store.delete(self.keys.layout(topic))
         log.info("refbroker.topic.deleted", topic=str(topic))
@@ -420,7 +468,33 @@ class RefBroker:
 
 
 def _layout_bytes(layout: Layout) -> bytes:
-    return json.dumps(layout_to_json(layout)).encode()
+    """The layout as stored and as answered: strict JSON (orjson).
+
+    Raises:
+        orjson.JSONEncodeError: a value nested deeper than 254 or an int beyond 64 bits.
+    """
+    return orjson.dumps(layout_to_json(layout))
+
+
+def _unusable(what: str, exc: Exception) -> Refused:
+    """The 500 for a stored value that cannot be used, with a reason of bounded size."""
+    reason = f"{what} is unusable: {exc}"
+    if len(reason) > _REASON_CHARS:
+        reason = reason[: _REASON_CHARS - 3] + "..."
+    return Refused(500, reason)
+
+
+def _segment_topics(topic: TopicName, segments: Iterable[Segment]) -> list[str]:
+    """The Kafka topics of ``segments``.
+
+    Raises:
+        Refused: 500 when a stored segment has no Kafka name (a range beyond 16 bits,
+            a negative id, a name longer than Kafka takes).
+    """
+    try:
+        return [segment_topic(topic, seg.descriptor) for seg in segments]
+    except ValueError as exc:
+        raise _unusable(f"stored layout of {topic}", exc) from exc
 
 
 def _segment_id(descriptor: str) -> int:
@@ -513,7 +587,8 @@ def make_app(broker: RefBroker, token: str | None = None) -> Starlette:
 
     async def get_layout(request: Request) -> Response:
         layout, _ = await broker.read_layout(_topic(request))
-        return JSONResponse(layout_to_json(layout))
+        # orjson, as it was stored: JSONResponse's encoder has a depth limit of its own
+        return Response(_layout_bytes(layout), media_type="application/json")
 
     async def delete_topic(request: Request) -> Response:
         await broker.delete_topic(_topic(request))
