@@ -125,6 +125,13 @@ def _http_url(prefix: str, name: str, value: str) -> list[str]:
     return [f"{prefix}.{name}: must be an http:// or https:// URL (got {value!r})"]
 
 
+def _header_safe(text: str) -> bool:
+    """Printable ASCII without spaces: what an HTTP header value (the fencing key) can
+    carry as is. httpx refuses anything else when it builds the request, so a cluster
+    named ``prod-é`` failed every broker call (and GC's pending deletes exited 70)."""
+    return all("!" <= c <= "~" for c in text)
+
+
 def _key_path(prefix: str, name: str, value: str) -> list[str]:
     """An etcd key prefix: empty (the root) or ``/a/b`` without a trailing slash."""
     if value == "" or (value.startswith("/") and not value.endswith("/")):
@@ -165,9 +172,12 @@ class ClusterSettings:
     name: str = field(default="default", metadata=_RESTART)
 
     def errors(self, prefix: str = "cluster") -> list[str]:
-        if self.name and "/" not in self.name:
+        if self.name and "/" not in self.name and _header_safe(self.name):
             return []
-        return [f"{prefix}.name: must be non-empty and contain no '/' (got {self.name!r})"]
+        return [
+            f"{prefix}.name: must be non-empty printable ASCII without spaces or '/' "
+            f"(got {self.name!r}; the leader key it names goes in an HTTP header)"
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +214,11 @@ class EtcdSettings:
         if self.metadata_prefix is not None:
             errs += _key_path(prefix, "metadata_prefix", self.metadata_prefix)
         errs += _key_path(prefix, "controller_prefix", self.controller_prefix)
+        if not _header_safe(self.controller_prefix.replace("/", "")):
+            errs.append(
+                f"{prefix}.controller_prefix: must be printable ASCII without spaces (got "
+                f"{self.controller_prefix!r}; the leader key under it goes in an HTTP header)"
+            )
         errs += _cert_pair(prefix, self.cert_file, self.key_file)
         errs += _positive(prefix, "timeout_seconds", self.timeout_seconds)
         return errs

@@ -302,6 +302,22 @@ async def test_4xx_is_a_bug_and_never_retried(
     assert requests_to(state, "GET") == 1
 
 
+async def test_a_header_httpx_cannot_encode_is_a_refusal_not_a_crash(
+    make_client: ClientFactory, state: TestBrokerState
+) -> None:
+    """The config and the token file are checked for it; were one to get through, a
+    UnicodeEncodeError from building the request escaped every caller's handling of
+    BrokerError (GC's pending deletes exited 70). It is a BrokerBug, and nothing is sent."""
+    state.add_topic(TOPIC)
+    with pytest.raises(BrokerBug, match="cannot be sent"):
+        await make_client().delete_segment(
+            TOPIC, "0000-ffff-0", fencing_token=7, fencing_key="/controllerd/prod-\u00e9/leader"
+        )
+    assert requests_to(state, "DELETE") == 0
+    with pytest.raises(ValueError, match="printable ASCII"):
+        make_client().set_token("t\u00f6ken")
+
+
 async def test_hung_request_times_out_and_is_retried(
     make_client: ClientFactory, state: TestBrokerState, sleeps: Sleeps
 ) -> None:

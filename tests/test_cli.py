@@ -536,6 +536,35 @@ def test_a_secret_that_is_not_a_regular_file_is_refused_without_reading_it(
     assert proc.returncode == 1 and "broker.token_file" in line and "not a regular file" in line
 
 
+@pytest.mark.parametrize(
+    ("toml", "setting"),
+    [
+        ('[cluster]\nname = "prod-\u00e9"\n', "cluster.name"),
+        ('[cluster]\nname = "prod east"\n', "cluster.name"),
+        ('[etcd]\ncontroller_prefix = "/contr\u00f4le"\n', "etcd.controller_prefix"),
+    ],
+)
+def test_a_name_that_cannot_go_in_an_http_header_is_refused(
+    tmp_path: Path, toml: str, setting: str
+) -> None:
+    """The leader key goes in the X-Fencing-Key header of every broker call: httpx refused
+    a non-ASCII one when it built each request, after check-config had said ok."""
+    config = tmp_path / "c.toml"
+    config.write_text(toml, encoding="utf-8")
+    proc = cli("check-config", str(config))
+    assert proc.returncode == 1 and setting in one_line(proc) and "ASCII" in one_line(proc)
+
+
+def test_a_bearer_token_that_is_not_ascii_is_refused(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t\u00f6ken\n", encoding="utf-8")
+    config = tmp_path / "c.toml"
+    config.write_text(f'[broker]\ntoken_file = "{token}"\n', encoding="utf-8")
+    proc = cli("check-config", str(config))
+    line = one_line(proc)
+    assert proc.returncode == 1 and "broker.token_file" in line and "ASCII" in line
+
+
 BUG = (
     "import sys, controllerd.cli as cli\n"
     "def broken(args):\n"

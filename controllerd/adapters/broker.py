@@ -342,8 +342,8 @@ class BrokerClient:
         """Replace the bearer token (SIGHUP rotation); surrounding whitespace is dropped."""
         if token is not None:
             token = token.strip()
-            if not token or any(c in token for c in "\r\n"):
-                raise ValueError("bearer token must be a single non-empty line")
+            if not token or not all(" " <= c <= "~" for c in token):
+                raise ValueError("bearer token must be one line of printable ASCII")
         self._token = token
 
     async def aclose(self) -> None:
@@ -778,7 +778,9 @@ class BrokerClient:
             raise _Retryable(f"cannot connect: {exc}", None, "", False) from exc
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise _Retryable(f"connection failed: {exc}", None, "", True) from exc
-        except httpx.TransportError as exc:
+        except (httpx.TransportError, ValueError) as exc:
+            # ValueError: a header httpx cannot encode (UnicodeEncodeError); config and
+            # secrets are checked for it, so this is a last guard that keeps it a refusal
             raise BrokerBug(
                 f"request cannot be sent: {type(exc).__name__}: {exc}",
                 method=method,

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from controllerd.config import Config
 
 
-def read_secret(path: str | None, setting: str) -> str | None:
+def read_secret(path: str | None, setting: str, *, header: bool = False) -> str | None:
     """The file's text without surrounding whitespace; None when no file is configured.
+    ``header``: the secret goes in an HTTP header (a bearer token).
 
     Raises:
         OperatorError: the file cannot be read, or :func:`secret_problem` (EXIT_USAGE),
@@ -31,17 +32,19 @@ def read_secret(path: str | None, setting: str) -> str | None:
         data = read_regular(path)
     except OSError as exc:
         raise OperatorError(f"cannot read {path}: {exc.strerror or exc}", setting=setting) from None
-    problem = secret_problem(data)
+    problem = secret_problem(data, header=header)
     if problem is not None:
         raise OperatorError(f"{path} {problem}", setting=setting)
     return data.decode("utf-8").strip()
 
 
-def secret_problem(data: bytes) -> str | None:
-    """Why these bytes cannot be a password or a bearer token, or None.
+def secret_problem(data: bytes, *, header: bool = False) -> str | None:
+    """Why these bytes cannot be a password or (``header``) a bearer token, or None.
 
     A secret is one non-empty line of UTF-8 (a trailing newline is fine): a second
-    line would go into an HTTP header or a gRPC call and fail there, later.
+    line would go into an HTTP header or a gRPC call and fail there, later. A bearer
+    token goes in an HTTP header as is, so it must also be printable ASCII: httpx
+    refused any other when it built each request, and every broker call failed.
     """
     try:
         text = data.decode("utf-8").strip()
@@ -51,6 +54,8 @@ def secret_problem(data: bytes) -> str | None:
         return "is empty"
     if "\n" in text or "\r" in text:
         return "must hold one line"
+    if header and not all(" " <= c <= "~" for c in text):
+        return "must be printable ASCII (a bearer token goes in an HTTP header)"
     return None
 
 
@@ -90,7 +95,10 @@ def config_file_errors(cfg: Config) -> list[str]:
             errors.append(f"{setting}: cannot read {path}: {exc.strerror or exc}")
             continue
         readable[setting] = path
-        if kind == "secret" and (problem := secret_problem(data)) is not None:
+        if (
+            kind == "secret"
+            and (problem := secret_problem(data, header=setting == "broker.token_file")) is not None
+        ):
             errors.append(f"{setting}: {path} {problem}")
         elif kind == "ca":
             try:

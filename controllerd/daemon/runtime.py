@@ -145,7 +145,7 @@ class Daemon:
             problems = config_file_errors(new)
             if problems:
                 raise config_mod.ConfigError([f"{self.config_path}: {p}" for p in problems])
-            token = read_secret(new.broker.token_file, "broker.token_file")
+            token = read_secret(new.broker.token_file, "broker.token_file", header=True)
         except Exception as exc:  # a reload never takes the daemon down, whatever the file
             if isinstance(exc, config_mod.ConfigError):
                 errors = exc.errors
@@ -339,7 +339,7 @@ class Daemon:
             broker = BrokerClient(
                 cfg.broker.admin_url,
                 profile=as_profile(cfg.broker.profile),
-                token=read_secret(cfg.broker.token_file, "broker.token_file"),
+                token=read_secret(cfg.broker.token_file, "broker.token_file", header=True),
                 ca_file=cfg.broker.ca_file,
                 cert_file=cfg.broker.cert_file,
                 key_file=cfg.broker.key_file,

@@ -181,7 +181,7 @@ def _options(args: argparse.Namespace) -> BrokerOptions:
     host, port = listen
     connect_timeout = _seconds("--connect-timeout", args.connect_timeout)
     report_interval = _seconds("--report-interval", args.report_interval)
-    token = read_secret(args.token_file, "--token-file")
+    token = read_secret(args.token_file, "--token-file", header=True)
     if (problem := endpoints_problem([args.etcd])) is not None:
         raise OperatorError(f"--etcd {args.etcd!r}: {problem}", setting="--etcd")
     if not config_mod.is_bootstrap_server(args.kafka):
