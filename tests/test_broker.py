@@ -318,6 +318,17 @@ async def test_a_header_httpx_cannot_encode_is_a_refusal_not_a_crash(
         make_client().set_token("t\u00f6ken")
 
 
+@pytest.mark.parametrize("status", [200, 400])
+async def test_an_answer_nested_past_python_s_recursion_limit_is_a_bug_not_a_crash(
+    make_client: ClientFactory, state: TestBrokerState, status: int
+) -> None:
+    """A backlog answer (or an error body) nested 100,000 deep made the stdlib parser raise
+    RecursionError, which no caller handles: GC's round ended the process with 70."""
+    state.answer_next = [(status, b"[" * 100_000 + b"]" * 100_000)]
+    with pytest.raises(BrokerBug):
+        await make_client().backlog(TOPIC, "0000-ffff-0", "sub")
+
+
 async def test_hung_request_times_out_and_is_retried(
     make_client: ClientFactory, state: TestBrokerState, sleeps: Sleeps
 ) -> None:

@@ -42,7 +42,6 @@ the view and this client share one hashable type.
 
 from __future__ import annotations
 
-import json
 import random
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
@@ -51,6 +50,7 @@ from urllib.parse import quote
 
 import anyio
 import httpx
+import orjson
 
 from controllerd.adapters import backoff
 from controllerd.core.layout import equal_boundaries
@@ -831,9 +831,11 @@ class BrokerClient:
         )
 
     def _json(self, response: httpx.Response) -> Any:
+        """The answer as strict JSON (orjson): the stdlib parser raised RecursionError, which
+        no caller handles, on an answer nested past Python's recursion limit."""
         try:
-            return response.json()
-        except ValueError as exc:
+            return orjson.loads(response.content)
+        except orjson.JSONDecodeError as exc:
             raise self._bad_answer(response, "response is not JSON") from exc
 
     def _bad_answer(self, response: httpx.Response, why: str) -> BrokerBug:
@@ -879,8 +881,8 @@ def _outcome(status: int) -> str:
 
 def _error_code(response: httpx.Response) -> str | None:
     try:
-        payload = json.loads(response.content)
-    except ValueError:
+        payload = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
         return None
     code = payload.get("code") if isinstance(payload, dict) else None
     return code if isinstance(code, str) else None

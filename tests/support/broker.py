@@ -23,7 +23,8 @@ Protocol choices (mirrored in ``docs/admin-api.yaml``):
   controller pruned in etcd (otherwise the next split would resurrect the segment).
 
 Fault injection runs before routing, in this order, on every request (all recorded):
-``fail_next`` (answer those statuses), ``lose_next`` (apply the request, then drop the
+``fail_next`` (answer those statuses), ``answer_next`` (answer those raw
+(status, body) pairs: a broker's garbage), ``lose_next`` (apply the request, then drop the
 response until the client gives up: "applied but the answer was lost"), ``hang_next``
 (never answer; wait for the client to disconnect), ``redirect_to`` (307 for PUT, POST
 and DELETE to the same path on another base URL).
@@ -126,6 +127,7 @@ class TestBrokerState:
     every fenced call is recorded in ``fenced_calls``."""
     fenced_calls: list[FencedCall] = field(default_factory=list)
     fail_next: list[int] = field(default_factory=list)
+    answer_next: list[tuple[int, bytes]] = field(default_factory=list)
     lose_next: int = 0
     hang_next: int = 0
     redirect_to: str | None = None
@@ -402,6 +404,10 @@ class _Faults:
             await _Refused(status, f"injected HTTP {status}", "injected").response()(
                 scope, receive, send
             )
+        elif state.answer_next:
+            status, body = state.answer_next.pop(0)
+            raw = Response(body, status_code=status, media_type="application/json")
+            await raw(scope, receive, send)
         elif state.lose_next > 0:
             state.lose_next -= 1
             await self.app(scope, receive, _swallow)
