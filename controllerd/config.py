@@ -126,10 +126,10 @@ def _http_url(prefix: str, name: str, value: str) -> list[str]:
 
 
 def _header_safe(text: str) -> bool:
-    """Printable ASCII without spaces: what an HTTP header value (the fencing key) can
-    carry as is. httpx refuses anything else when it builds the request, so a cluster
-    named ``prod-é`` failed every broker call (and GC's pending deletes exited 70)."""
-    return all("!" <= c <= "~" for c in text)
+    """Printable ASCII: what an HTTP header value (the fencing key) can carry as is.
+    httpx refuses anything else when it builds the request, so a cluster named
+    ``prod-é`` failed every broker call (and GC's pending deletes exited 70)."""
+    return all(" " <= c <= "~" for c in text)
 
 
 def _key_path(prefix: str, name: str, value: str) -> list[str]:
@@ -175,7 +175,7 @@ class ClusterSettings:
         if self.name and "/" not in self.name and _header_safe(self.name):
             return []
         return [
-            f"{prefix}.name: must be non-empty printable ASCII without spaces or '/' "
+            f"{prefix}.name: must be non-empty printable ASCII without '/' "
             f"(got {self.name!r}; the leader key it names goes in an HTTP header)"
         ]
 
@@ -216,7 +216,7 @@ class EtcdSettings:
         errs += _key_path(prefix, "controller_prefix", self.controller_prefix)
         if not _header_safe(self.controller_prefix.replace("/", "")):
             errs.append(
-                f"{prefix}.controller_prefix: must be printable ASCII without spaces (got "
+                f"{prefix}.controller_prefix: must be printable ASCII (got "
                 f"{self.controller_prefix!r}; the leader key under it goes in an HTTP header)"
             )
         errs += _cert_pair(prefix, self.cert_file, self.key_file)

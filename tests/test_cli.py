@@ -540,7 +540,6 @@ def test_a_secret_that_is_not_a_regular_file_is_refused_without_reading_it(
     ("toml", "setting"),
     [
         ('[cluster]\nname = "prod-\u00e9"\n', "cluster.name"),
-        ('[cluster]\nname = "prod east"\n', "cluster.name"),
         ('[etcd]\ncontroller_prefix = "/contr\u00f4le"\n', "etcd.controller_prefix"),
     ],
 )

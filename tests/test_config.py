@@ -412,7 +412,7 @@ def test_env_value_must_be_one_toml_value() -> None:
     # it cannot go in an HTTP header).
     env = {"CONTROLLERD_CLUSTER__NAME": 'x"\nbogus = "y'}
     (error,) = errors_of("", env)
-    assert error.startswith("cluster.name: must be non-empty printable ASCII")
+    assert error.startswith("cluster.name: must be non-empty printable ASCII without '/'")
     assert "'x\"\\nbogus = \"y'" in error
 
 
