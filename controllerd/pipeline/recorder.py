@@ -2,7 +2,10 @@
 
 The recorder reads the topics prefix once (one consistent snapshot) and then
 follows it with one watch from the snapshot's revision, so no change between
-the two is lost (:meth:`controllerd.adapters.store.Store.watch_prefix`). Layouts become
+the two is lost (:meth:`controllerd.adapters.store.Store.watch_prefix`). A watch
+that etcd compacted away (after an outage longer than etcd keeps history) is
+followed again from a new snapshot, of which only the keys changed meanwhile
+are recorded; versions both written and overwritten meanwhile are lost. Layouts become
 ``layouts`` rows and tell it each segment's hash range; load records become
 ``loads`` rows carrying that range, so a recorded history replays on its own
 (:func:`controllerd.pipeline.traces.import_history`). When ``[audit]`` names a
@@ -11,7 +14,10 @@ appended as new Parquet files (see :mod:`controllerd.pipeline.history`) every
 ``flush_seconds``, when ``flush_rows`` are waiting, and on exit; audit offsets
 are committed only after the rows they produced are on disk (at least once).
 
-A value that does not parse is skipped and counted (``rejected``), never fatal.
+A value that does not parse, or that does not fit the history's columns, is
+skipped and counted (``rejected``) when it is read, never fatal: an etcd key is
+recorded again when next written, and a rejected audit record's offset is
+committed like any other, so a restart does not read it again.
 """
 
 from __future__ import annotations
@@ -29,13 +35,13 @@ import structlog
 from anyio.abc import TaskStatus
 
 from controllerd.adapters.secrets import read_secret
-from controllerd.adapters.store import Store, StoreError, open_store
+from controllerd.adapters.store import Store, StoreError, WatchCompacted, open_store
 from controllerd.config import Config
-from controllerd.core.model import ModelError, layout_from_json, load_sample_from_json
+from controllerd.core.model import HASH_MAX, layout_from_json, load_sample_from_json
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import SystemClock
 from controllerd.errors import EXIT_UNAVAILABLE, OperatorError
-from controllerd.pipeline.history import DECISIONS, LAYOUTS, LOADS, write_rows
+from controllerd.pipeline.history import DECISIONS, LAYOUTS, LOADS, check_row, write_rows
 from controllerd.pipeline.load import MAX_STAMP_MS
 
 log = structlog.get_logger(__name__)
@@ -45,10 +51,17 @@ FLUSH_ROWS: Final = 50_000
 #: Consumer group of the audit follower: offsets survive recorder restarts.
 AUDIT_GROUP: Final = "controllerd-recorder"
 
+#: Called as a flush takes the buffered rows; returns what to run once they are on disk.
+Checkpoint = Callable[[], Callable[[], Awaitable[None]]]
+
 
 @dataclass
 class ParquetSink:
-    """Buffers rows per table and appends them to the history under ``root``."""
+    """Buffers rows per table and appends them to the history under ``root``.
+
+    Invariant: a row leaves the buffer only once it is on disk. A flush that is
+    cancelled (SIGTERM) or fails leaves what it has not written for the next one.
+    """
 
     root: Path
     flush_rows: int = FLUSH_ROWS
@@ -56,7 +69,7 @@ class ParquetSink:
         default_factory=lambda: dict.fromkeys((LOADS, LAYOUTS, DECISIONS), 0)
     )
     _pending: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    _after_flush: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    _checkpoints: list[Checkpoint] = field(default_factory=list)
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     @property
@@ -66,21 +79,40 @@ class ParquetSink:
     def add(self, table: str, row: dict[str, Any]) -> None:
         self._pending.setdefault(table, []).append(row)
 
-    def after_flush(self, callback: Callable[[], Awaitable[None]]) -> None:
-        """Run ``callback`` after every flush (e.g. commit the offsets now on disk)."""
-        self._after_flush.append(callback)
+    def on_flush(self, checkpoint: Checkpoint) -> None:
+        """Call ``checkpoint`` as each flush takes the buffered rows, and await what it
+        returns once they are on disk (e.g. commit the offsets of those rows).
 
-    def remove_after_flush(self, callback: Callable[[], Awaitable[None]]) -> None:
-        self._after_flush.remove(callback)
+        ``checkpoint`` runs in the same step as the flush takes the rows, so it
+        sees exactly the state that produced them: rows added while the flush
+        writes belong to the next flush, and to the next checkpoint.
+        """
+        self._checkpoints.append(checkpoint)
+
+    def remove_on_flush(self, checkpoint: Checkpoint) -> None:
+        self._checkpoints.remove(checkpoint)
 
     async def flush(self) -> None:
+        """Write every buffered row, then run what the checkpoints returned.
+
+        The writes are shielded from cancellation, so that a SIGTERM cannot
+        come between taking rows out of the buffer and having them on disk; it
+        waits for the writes under way, as the final flush of ``record`` would
+        for the same rows. A write that fails puts its rows back.
+        """
         async with self._lock:
-            batches, self._pending = self._pending, {}
-            for table, rows in batches.items():
-                await anyio.to_thread.run_sync(write_rows, self.root, table, rows)
-                self.counts[table] += len(rows)
-            for callback in self._after_flush:
-                await callback()
+            with anyio.CancelScope(shield=True):
+                then = [checkpoint() for checkpoint in self._checkpoints]
+                for table in list(self._pending):
+                    rows = self._pending.pop(table)
+                    try:
+                        await anyio.to_thread.run_sync(write_rows, self.root, table, rows)
+                    except BaseException:
+                        self._pending[table] = rows + self._pending.get(table, [])
+                        raise
+                    self.counts[table] += len(rows)
+            for follow_up in then:
+                await follow_up()
 
     async def flush_if_full(self) -> None:
         if self.pending >= self.flush_rows:
@@ -91,21 +123,20 @@ class Recorder:
     """Turns etcd keys under the topics prefix into history rows.
 
     Invariant: a load row's range is the segment's range in the newest layout
-    seen before it (None if no layout has named the segment yet).
+    of its topic seen before it (None if that layout does not name the segment,
+    or the topic has none). Only the newest layout's ranges are kept, so what
+    the recorder holds follows the topics there are, not all there ever were.
     """
 
     def __init__(self, keys: Keys, now_ms: Callable[[], int]) -> None:
         self._keys = keys
         self._now_ms = now_ms
-        self._ranges: dict[tuple[str, int], tuple[int, int]] = {}
+        self._ranges: dict[str, dict[int, tuple[int, int]]] = {}  # topic -> segment -> range
         self.rejected = 0
 
     def rows(self, key: str, value: bytes, mod_revision: int) -> tuple[str, dict[str, Any]] | None:
         """The history row for a put of ``key``, or None if it is not one we record."""
-        prefix = self._keys.topics_prefix
-        if not key.startswith(prefix):
-            return None
-        parts = key[len(prefix) :].split("/")
+        parts = self._parts(key)
         try:
             if len(parts) == 3:
                 return LAYOUTS, self._layout_row("/".join(parts), value, mod_revision)
@@ -113,17 +144,36 @@ class Recorder:
                 return LOADS, self._load_row(
                     "/".join(parts[:3]), _segment_id(parts[4]), value, mod_revision
                 )
-        except (ModelError, ValueError, RecursionError) as exc:
-            # RecursionError: json.loads of a deeply nested value
+        except (ValueError, OverflowError, RecursionError) as exc:
+            # ValueError includes ModelError and UnicodeError; OverflowError: a number
+            # literal beyond a float's range; RecursionError: a deeply nested value.
             self.rejected += 1
             log.warning("record.rejected", key=key, error=str(exc))
         return None
 
+    def forget(self, key: str) -> None:
+        """A delete of ``key``: a deleted layout takes its topic's ranges with it."""
+        parts = self._parts(key)
+        if len(parts) == 3:
+            self._ranges.pop("/".join(parts), None)
+
+    def _parts(self, key: str) -> list[str]:
+        """``key``'s path under the topics prefix ([] if it is not under it)."""
+        prefix = self._keys.topics_prefix
+        return key[len(prefix) :].split("/") if key.startswith(prefix) else []
+
     def _layout_row(self, topic: str, value: bytes, mod_revision: int) -> dict[str, Any]:
         layout = layout_from_json(json.loads(value))
+        ranges: dict[int, tuple[int, int]] = {}
         for seg in layout.segments.values():
-            self._ranges[(topic, seg.segment_id)] = (seg.hash_range.start, seg.hash_range.end)
-        return {
+            start, end = seg.hash_range.start, seg.hash_range.end
+            if not 0 <= start <= end <= HASH_MAX:
+                raise ValueError(
+                    f"layout.segments[{seg.segment_id}].hashRange: {start}..{end} "
+                    f"is not a range of 0..{HASH_MAX}"
+                )
+            ranges[seg.segment_id] = (start, end)
+        row = {
             "topic": topic,
             "t_ms": self._now_ms(),
             "mod_revision": mod_revision,
@@ -131,6 +181,9 @@ class Recorder:
             "active_segments": len(layout.active_segments()),
             "layout_json": value.decode(),
         }
+        check_row(LAYOUTS, row)
+        self._ranges[topic] = ranges  # only once the layout is taken
+        return row
 
     def _load_row(
         self, topic: str, segment_id: int, value: bytes, mod_revision: int
@@ -144,9 +197,9 @@ class Recorder:
             if stamp is not None and not 0 <= stamp <= MAX_STAMP_MS:
                 # Parquet holds int64 and the hour partition needs a calendar date.
                 raise ValueError(f"load[{segment_id}].{name}: {stamp} is not a time in 1970-9999")
-        start, end = self._ranges.get((topic, segment_id), (None, None))
+        start, end = self._ranges.get(topic, {}).get(segment_id, (None, None))
         r = sample.rates
-        return {
+        row = {
             "topic": topic,
             "t_ms": sample.sampled_at_ms if sample.sampled_at_ms is not None else now,
             "observed_at_ms": now,
@@ -162,6 +215,8 @@ class Recorder:
             "sampled_at_ms": sample.sampled_at_ms,
             "hash_buckets": list(sample.hash_buckets) if sample.hash_buckets else None,
         }
+        check_row(LOADS, row)
+        return row
 
     async def run(
         self,
@@ -170,19 +225,46 @@ class Recorder:
         *,
         task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Record the snapshot, report its revision as started, then follow the watch."""
+        """Record the snapshot, report its revision as started, then follow the watch.
+
+        A compacted watch (:class:`WatchCompacted`) is followed again from a new
+        snapshot (:meth:`_snapshot`); other etcd failures end the recorder.
+        """
         prefix = self._keys.topics_prefix
-        kvs, revision = await store.get_prefix(prefix)
+        revision = await self._snapshot(store, sink, after=0)
+        task_status.started(revision)
+        while True:
+            try:
+                async with aclosing(store.watch_prefix(prefix, revision + 1)) as batches:
+                    async for batch in batches:
+                        for event in batch:
+                            if event.kind == "put":
+                                self._add(sink, event.key, event.value, event.mod_revision)
+                            else:
+                                self.forget(event.key)
+                        revision = batch[-1].mod_revision
+                        await sink.flush_if_full()
+            except WatchCompacted as exc:
+                log.warning(
+                    "record.watch.compacted", revision=revision, compact_revision=exc.revision
+                )
+                revision = await self._snapshot(store, sink, after=revision)
+
+    async def _snapshot(self, store: Store, sink: ParquetSink, *, after: int) -> int:
+        """Record the keys of a new snapshot written after revision ``after``; its revision.
+
+        Every layout of the snapshot is the newest of its topic, so the ranges of
+        topics without one (deleted meanwhile) are dropped; those of the others are
+        the ones already held, or replaced by the layout recorded here.
+        """
+        kvs, revision = await store.get_prefix(self._keys.topics_prefix)
+        topics = {"/".join(parts) for kv in kvs if len(parts := self._parts(kv.key)) == 3}
+        self._ranges = {topic: r for topic, r in self._ranges.items() if topic in topics}
         # Layouts first, so that the snapshot's load rows know their ranges.
         for kv in sorted(kvs, key=lambda kv: kv.key.count("/")):
-            self._add(sink, kv.key, kv.value, kv.mod_revision)
-        task_status.started(revision)
-        async with aclosing(store.watch_prefix(prefix, revision + 1)) as batches:
-            async for batch in batches:
-                for event in batch:
-                    if event.kind == "put":
-                        self._add(sink, event.key, event.value, event.mod_revision)
-                await sink.flush_if_full()
+            if kv.mod_revision > after:
+                self._add(sink, kv.key, kv.value, kv.mod_revision)
+        return revision
 
     def _add(self, sink: ParquetSink, key: str, value: bytes, mod_revision: int) -> None:
         row = self.rows(key, value, mod_revision)
@@ -204,69 +286,113 @@ def _segment_id(text: str) -> int:
     return number
 
 
-def decision_row(record: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``decisions`` row from an audit record (see :mod:`controllerd.adapters.audit`)."""
+def decision_row(record: object) -> dict[str, Any]:
+    """A ``decisions`` row from an audit record (see :mod:`controllerd.adapters.audit`).
+
+    Raises:
+        ValueError: not an object with an integer ``ts_ms`` in 1970-9999 and an
+            object (or nothing) as ``decision``, or a field the history cannot
+            hold (:func:`controllerd.pipeline.history.check_row`).
+    """
+    if not isinstance(record, Mapping):
+        raise ValueError(f"audit record: expected an object, got {type(record).__name__}")
     decision = record.get("decision") or {}
-    if not isinstance(decision, Mapping) or not isinstance(record.get("ts_ms"), int):
-        raise ValueError("audit record without decision or ts_ms")
-    return {
+    if not isinstance(decision, Mapping):
+        raise ValueError(f"audit record: decision is a {type(decision).__name__}, not an object")
+    ts_ms = record.get("ts_ms")
+    if type(ts_ms) is not int or not 0 <= ts_ms <= MAX_STAMP_MS:
+        got = ts_ms if type(ts_ms) is int else type(ts_ms).__name__
+        raise ValueError(f"audit record: ts_ms is not a time in 1970-9999 (got {got})")
+    row = {
         "topic": str(record.get("topic", "")),
-        "t_ms": int(record["ts_ms"]),
+        "t_ms": ts_ms,
         "action": str(decision.get("action", "")),
         "reason": str(decision.get("reason", "")),
         "detail": str(decision.get("detail", "")),
         "outcome": str(record.get("outcome", "")),
         "record_json": json.dumps(record, sort_keys=True),
     }
+    check_row(DECISIONS, row)
+    return row
 
 
-async def follow_audit(
-    bootstrap: str,
-    topic: str,
-    sink: ParquetSink,
-    *,
-    group_id: str = AUDIT_GROUP,
-    consumer_options: Mapping[str, Any] | None = None,
-    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    """Record every audit record; commit offsets only once their rows are flushed."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+class AuditRecorder:
+    """Turns the audit topic's records into ``decisions`` rows.
 
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap,
-        group_id=group_id,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        **dict(consumer_options or {}),
-    )
-    consumed: dict[TopicPartition, int] = {}
-    committed: dict[TopicPartition, int] = {}
+    Invariant: every record consumed either has its row in the sink or is
+    counted in ``rejected``; its offset is committed once the flush that took
+    that row (or a later one) is on disk, a rejected record's like any other.
+    """
 
-    async def commit() -> None:
-        ready = {tp: off for tp, off in consumed.items() if committed.get(tp) != off}
-        if ready:
-            await consumer.commit(ready)
-            committed.update(ready)
+    def __init__(self) -> None:
+        self.rejected = 0
 
-    await consumer.start()
-    sink.after_flush(commit)
-    try:
-        task_status.started()
-        async for message in consumer:
-            try:
-                sink.add(DECISIONS, decision_row(json.loads(message.value)))
-            except (ValueError, TypeError) as exc:
-                log.warning("record.audit.rejected", offset=message.offset, error=str(exc))
-            consumed[TopicPartition(message.topic, message.partition)] = message.offset + 1
-            await sink.flush_if_full()
-    finally:
-        with anyio.CancelScope(shield=True):
-            try:
-                await sink.flush()  # commits what it wrote
-            finally:
-                sink.remove_after_flush(commit)
-                await consumer.stop()
+    def row(self, value: bytes | None, partition: int, offset: int) -> dict[str, Any] | None:
+        """The row for one record's ``value``, or None (counted) if it is not usable."""
+        try:
+            if value is None:
+                raise ValueError("no value (a tombstone)")
+            return decision_row(json.loads(value))
+        except (ValueError, OverflowError, RecursionError) as exc:
+            # ValueError includes UnicodeError (bytes or text that is not UTF-8);
+            # RecursionError: a deeply nested value.
+            self.rejected += 1
+            log.warning("record.audit.rejected", partition=partition, offset=offset, error=str(exc))
+            return None
+
+    async def run(
+        self,
+        bootstrap: str,
+        topic: str,
+        sink: ParquetSink,
+        *,
+        group_id: str = AUDIT_GROUP,
+        consumer_options: Mapping[str, Any] | None = None,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Record every audit record; commit offsets only once their rows are flushed."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        consumer = AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=bootstrap,
+            group_id=group_id,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            **dict(consumer_options or {}),
+        )
+        consumed: dict[TopicPartition, int] = {}
+        committed: dict[TopicPartition, int] = {}
+
+        def checkpoint() -> Callable[[], Awaitable[None]]:
+            taken = dict(consumed)  # the offsets of exactly the rows the flush takes
+
+            async def commit() -> None:
+                ready = {tp: off for tp, off in taken.items() if committed.get(tp, 0) < off}
+                if ready:
+                    await consumer.commit(ready)
+                    committed.update(ready)
+
+            return commit
+
+        await consumer.start()
+        sink.on_flush(checkpoint)
+        try:
+            task_status.started()
+            async for message in consumer:
+                row = self.row(message.value, message.partition, message.offset)
+                if row is not None:
+                    sink.add(DECISIONS, row)
+                # No await since the add: a flush takes the row and its offset together.
+                consumed[TopicPartition(message.topic, message.partition)] = message.offset + 1
+                await sink.flush_if_full()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await sink.flush()  # commits what it wrote
+                finally:
+                    sink.remove_on_flush(checkpoint)
+                    await consumer.stop()
 
 
 async def _flush_every(sink: ParquetSink, seconds: float) -> None:
@@ -295,7 +421,8 @@ def _cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseEx
 
 @dataclass(frozen=True, slots=True)
 class Recorded:
-    """What a ``record`` run wrote (rows per table) and skipped (values that did not parse)."""
+    """What a ``record`` run wrote (rows per table) and skipped (etcd values and audit
+    records that did not parse or did not fit the history)."""
 
     rows: dict[str, int]
     rejected: int
@@ -326,6 +453,7 @@ async def record_from_config(
     sink = ParquetSink(out)
     clock = SystemClock()
     recorder = Recorder(Keys(cfg.metadata_prefix, cfg.controller_root), clock.now_ms)
+    audit = AuditRecorder()
     password = read_secret(cfg.etcd.password_file, "etcd.password_file")
     try:
         async with open_store(
@@ -344,7 +472,7 @@ async def record_from_config(
                     await tg.start(recorder.run, store, sink, name="etcd-recorder")
                     if cfg.audit.kafka_bootstrap:
                         await tg.start(
-                            follow_audit,
+                            audit.run,
                             cfg.audit.kafka_bootstrap,
                             cfg.audit.topic,
                             sink,
@@ -375,8 +503,9 @@ async def record_from_config(
                 setting="audit.kafka_bootstrap",
             ) from None
         raise
-    log.info("record.stopped", rows=sink.counts, rejected=recorder.rejected)
-    return Recorded(dict(sink.counts), recorder.rejected)
+    rejected = recorder.rejected + audit.rejected
+    log.info("record.stopped", rows=sink.counts, rejected=rejected)
+    return Recorded(dict(sink.counts), rejected)
 
 
 def _first_line(exc: BaseException) -> str:
