@@ -482,6 +482,9 @@ def test_hash_buckets_parse_and_round_trip() -> None:
     assert load_sample_to_json(sample)["hashBuckets"] == [1.0, 2.5, 0.0]
     assert load_sample_from_json(record, seen_at_ms=5).hash_buckets is None
     assert "hashBuckets" not in load_sample_to_json(load_sample_from_json(record, seen_at_ms=5))
+    # dropped on its own, as any malformed histogram (float() of it raised OverflowError)
+    huge = load_sample_from_json({**record, "hashBuckets": [1, 10**400]}, seen_at_ms=5)
+    assert huge.hash_buckets is None and huge.rates.msg_rate_in == 10
 
 
 @pytest.mark.parametrize(

@@ -867,6 +867,8 @@ def hash_buckets_from_json(value: Any) -> tuple[float, ...] | None:
     for item in value:
         if isinstance(item, bool) or not isinstance(item, int | float):
             return None
+        if isinstance(item, int) and not 0 <= item <= _FLOAT_INT_MAX:
+            return None  # float() of an integer beyond a double raises OverflowError
         number = float(item)
         if not (math.isfinite(number) and number >= 0):
             return None
