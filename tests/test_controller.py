@@ -1376,3 +1376,25 @@ async def test_topics_without_overrides_of_their_own_share_one_resolved_policy(
         assert (resolved(a).split_cooldown_seconds, resolved(b).split_cooldown_seconds) == (5, 7)
         await override(h.keys.policy("acme", "ns"), 9)
         assert (resolved(a).split_cooldown_seconds, resolved(b).split_cooldown_seconds) == (9, 7)
+
+
+async def test_a_cold_record_stamped_before_1970_gets_a_cold_since_every_replica_reads(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A broker without time stamps of its own but with a changedAtMs before 1970: the
+    cold-since the leader wrote for it was negative, which the key's parser refuses, so
+    every replica counted it as rejected metadata and the next leader lost it."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        await h.add_topic(segments=2)
+        for sid in (0, 1):  # Pulsar's shape: no sampledAtMs
+            await h.store.put(
+                h.keys.load(TOPIC, sid),
+                b'{"msgRateIn":1,"byteRateIn":1,"msgRateOut":1,"byteRateOut":1,"changedAtMs":-5}',
+            )
+
+        state = h.controller.view.topics
+        await eventually(lambda: TOPIC in state and state[TOPIC].cold_since.keys() == {0, 1})
+        for sid in (0, 1):
+            kv = await h.store.get(h.keys.cold_since(TOPIC, sid))
+            assert kv is not None and int(kv.value) >= 0
+        assert h.count("controllerd_metadata_rejected_total", kind="cold_since") == 0

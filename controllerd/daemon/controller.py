@@ -1109,7 +1109,13 @@ class Controller:
                 since = held if held is not None else persisted
                 if since is None:
                     inherited = inherited_cold_since(layout, sid, _ColdOf(state))
-                    since = inherited if inherited is not None else min(sample.changed_at_ms, now)
+                    # within [0, now]: a broker's clock may run ahead, or stamp before 1970
+                    # (the cold-since key refuses a negative time: written, it was rejected)
+                    since = (
+                        inherited
+                        if inherited is not None
+                        else max(0, min(sample.changed_at_ms, now))
+                    )
                     (log.debug if rediscovered else log.info)(
                         "segment.cold", topic=str(state.name), segment=sid, since_ms=since
                     )
