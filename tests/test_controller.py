@@ -1392,8 +1392,12 @@ async def test_a_cold_record_stamped_before_1970_gets_a_cold_since_every_replica
                 b'{"msgRateIn":1,"byteRateIn":1,"msgRateOut":1,"byteRateOut":1,"changedAtMs":-5}',
             )
 
-        state = h.controller.view.topics
-        await eventually(lambda: TOPIC in state and state[TOPIC].cold_since.keys() == {0, 1})
+        async def written() -> bool:  # the leader's writes are batched: wait for etcd's answer
+            return all([await h.store.get(h.keys.cold_since(TOPIC, sid)) for sid in (0, 1)])
+
+        with anyio.fail_after(10):
+            while not await written():  # noqa: ASYNC110 - an outcome of real I/O, as eventually
+                await anyio.sleep(0.005)
         for sid in (0, 1):
             kv = await h.store.get(h.keys.cold_since(TOPIC, sid))
             assert kv is not None and int(kv.value) >= 0
