@@ -631,9 +631,15 @@ def test_range_cooldown_holds_back_only_the_children_of_the_last_split() -> None
     assert isinstance(d, NoAction) and d.reason == "split-cooldown"
     d = decide(pruned, {1: sample(30_000)}, {}, RANGE, NOW, last_split_ms=NOW - 10_000)
     assert isinstance(d, Split) and d.segment_id == 1  # created long before the split
-    # A creation time ahead of our clock (skew) never holds a hot range back.
+    # A creation time ahead of our clock (skew) never holds a hot range back by itself ...
     d = decide(lay, {2: sample(30_000)}, {}, RANGE, NOW - 20_000)
     assert isinstance(d, Split) and d.segment_id == 2
+    # ... but the topic's split stamp (capped at when we saw the split) dates the children
+    # instead: a broker a year ahead no longer lets them split again at once.
+    ahead = split(layout_of(2), 0, now_ms=NOW + 365 * 86_400_000)
+    for at, held in ((NOW + 10_000, True), (NOW + 59_000, True), (NOW + 61_000, False)):
+        d = decide(ahead, {2: sample(30_000)}, {}, RANGE, at, last_split_ms=NOW)
+        assert isinstance(d, NoAction if held else Split), (at, d)
 
 
 # --- merging on the window's peak, and merge backoff after flip-flops --------------------------

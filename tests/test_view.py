@@ -9,7 +9,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controllerd.core.layout import initial_layout, split
+from controllerd.core.layout import initial_layout, merge, split
 from controllerd.core.model import (
     LoadSample,
     Rates,
@@ -202,6 +202,21 @@ def test_cooldown_seeded_from_the_layout() -> None:
     assert seeded_cooldown(lay) == Cooldown(1_000, -1)
     view = fresh()
     assert view.topics[T].effective_cooldown() == Cooldown(-1, -1)
+
+
+def test_stamps_from_a_clock_ahead_of_ours_count_as_of_when_they_came() -> None:
+    """A broker a year ahead stamps its children a year ahead; taken as is, the merge
+    cooldown held for that year. Each stamp counts at most as of when the value was
+    applied (and a later leader's persisted stamp likewise)."""
+    year = 365 * 86_400_000
+    merged = merge(split(initial_layout(1), 0, now_ms=NOW - 1_000), 1, 2, now_ms=NOW + year)
+    view = fresh()
+    view.apply_put(KEYS.layout(T), orjson.dumps(layout_to_json(merged)), 60, NOW)
+    assert view.topics[T].effective_cooldown() == Cooldown(NOW - 1_000, NOW)
+    later = NOW + 5_000
+    stamp = b'{"lastSplitAtMs": %d, "lastMergeAtMs": %d}' % (NOW + year, NOW + year)
+    view.apply_put(KEYS.cooldown(T), stamp, 61, later)
+    assert view.topics[T].effective_cooldown() == Cooldown(later, later)
 
 
 _rates = st.builds(Rates, *[st.floats(0, 1e12, allow_nan=False)] * 4)

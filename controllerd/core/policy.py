@@ -354,11 +354,17 @@ def _held_back(
         return frozenset()
     cooldown_ms = policy.split_cooldown_seconds * 1000.0
     recent_split = _within(last_split_ms, policy.split_cooldown_seconds, now_ms)
-    # A creation time ahead of our clock (skew) holds nothing back: a hot range splits.
+    # A creation time ahead of our clock (a broker's clock runs ahead) counts as the
+    # topic's split stamp (the caller caps it at when it saw the split): else the
+    # children of every split by such a broker could split again at once. With no stamp
+    # it holds nothing back: a hot range splits.
     return frozenset(
         s.segment_id
         for s in active
-        if 0 <= now_ms - s.created_at_ms < cooldown_ms
+        if (
+            0 <= now_ms - s.created_at_ms < cooldown_ms
+            or (s.created_at_ms > now_ms and len(s.parent_ids) == 1 and recent_split)
+        )
         and (len(s.parent_ids) == 1 or (not s.parent_ids and recent_split))
     )
 

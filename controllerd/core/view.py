@@ -196,6 +196,12 @@ class Cooldown:
     def to_json(self) -> dict[str, int]:
         return {"lastSplitAtMs": self.last_split_ms, "lastMergeAtMs": self.last_merge_ms}
 
+    def no_later_than(self, cap_ms: int | None) -> Cooldown:
+        """Each stamp, but at most ``cap_ms`` (None: as is)."""
+        if cap_ms is None or (self.last_split_ms <= cap_ms and self.last_merge_ms <= cap_ms):
+            return self
+        return Cooldown(min(self.last_split_ms, cap_ms), min(self.last_merge_ms, cap_ms))
+
     def newest(self, other: Cooldown) -> Cooldown:
         """Field by field, the later stamp of the two."""
         return Cooldown(
@@ -450,6 +456,10 @@ class TopicState:
     consumers: dict[str, set[str]] = field(default_factory=dict)
     loads: LoadTable = field(default_factory=LoadTable)
     cooldown: Cooldown | None = None
+    #: Our clock when the layout and the cooldown value were applied (None: not through
+    #: the view): a stamp from a clock running ahead of ours counts as of then.
+    layout_seen_ms: int | None = None
+    cooldown_seen_ms: int | None = None
     cold_since: dict[int, int] = field(default_factory=dict)
     #: Flip-flops and peaks the history-based rules need; None while there are none.
     history: TopicHistory | None = None
@@ -477,9 +487,17 @@ class TopicState:
         The layout's newest children date operations we did not do ourselves
         (an operator's ``pulsar-admin`` split or merge, issue #11), and the
         persisted stamps survive GC pruning the segments that would date ours.
+
+        Each stamp counts at most as of when this replica applied its value: a broker (or
+        an earlier leader) whose clock ran a year ahead stamped children a year ahead,
+        and taken as is they held merges (or, topic-wide, splits) back for that year.
+        Capped, a skewed clock costs at most one cooldown from when the value came.
         """
         seeded = seeded_cooldown(self.layout) if self.layout is not None else Cooldown()
-        return seeded if self.cooldown is None else self.cooldown.newest(seeded)
+        seeded = seeded.no_later_than(self.layout_seen_ms)
+        if self.cooldown is None:
+            return seeded
+        return self.cooldown.no_later_than(self.cooldown_seen_ms).newest(seeded)
 
 
 class Change(NamedTuple):
@@ -726,7 +744,7 @@ class MetadataView:
             if key.startswith(self._topics_prefix):
                 return self._put_metadata(key, value, mod_revision, now_ms)
             if key.startswith(self._controller_prefix):
-                return self._put_controller(key, value)
+                return self._put_controller(key, value, now_ms)
             if key.startswith(self._pulsar_policies_prefix):
                 return self._put_pulsar_policies(key, value)
         except Exception as exc:  # the boundary: any failure is a rejection
@@ -839,6 +857,7 @@ class MetadataView:
                 layout = check(layout_from_json(parse_json(value)))
                 state = self.topic(name)
                 state.layout, state.layout_revision, state.layout_error = layout, mod_revision, None
+                state.layout_seen_ms = now_ms
                 for sid in [s for s in state.loads if s not in layout.segments]:
                     state.loads.remove(sid)
                 for sid in [s for s in state.cold_since if s not in layout.segments]:
@@ -898,7 +917,7 @@ class MetadataView:
     def _controller_parts(self, key: str) -> list[str]:
         return key[len(self._controller_prefix) :].split("/")
 
-    def _put_controller(self, key: str, value: bytes) -> Outcome:
+    def _put_controller(self, key: str, value: bytes, now_ms: int) -> Outcome:
         match self._controller_parts(key):
             case ["policies", tenant, *scope] if len(scope) <= 2:
                 raw = parse_json(value)
@@ -909,7 +928,8 @@ class MetadataView:
                 return Change("policy", None, True)
             case ["cooldowns", t, n, topic]:
                 name = topic_from_key(t, n, topic)
-                self.topic(name).cooldown = parse_cooldown(parse_json(value))
+                state = self.topic(name)
+                state.cooldown, state.cooldown_seen_ms = parse_cooldown(parse_json(value)), now_ms
                 return Change("cooldown", name, False)
             case ["cold-since", t, n, topic, sid]:
                 name = topic_from_key(t, n, topic)

@@ -1223,7 +1223,7 @@ class Controller:
         stamp = (
             Cooldown(now, old.last_merge_ms) if op == "split" else Cooldown(old.last_split_ms, now)
         )
-        state.cooldown = stamp
+        state.cooldown, state.cooldown_seen_ms = stamp, now  # ours: of our clock
         try:
             await self._fenced_write(
                 leadership, [Put(self._keys.cooldown(topic), orjson.dumps(stamp.to_json()))]
