@@ -12,6 +12,7 @@ import pytest
 
 from controllerd.core.layout import (
     LayoutError,
+    MergeDepths,
     check,
     equal_boundaries,
     initial_layout,
@@ -137,6 +138,20 @@ def test_merge_depth_counts_merge_nodes_in_ancestry() -> None:
     assert merge_depth(lay, 7) == 3
     # Pruned ancestors no longer count: without 0 and 1, segment 4 has no parents left.
     assert merge_depth(prune(lay, [0, 1]), 7) == 2
+
+
+def test_merge_depth_of_an_ancestry_deeper_than_the_recursion_limit() -> None:
+    """A split, then a merge of its children, 600 times: 1,200 generations, which the
+    recursive walk could not count (RecursionError; that topic was never decided again)."""
+    lay = initial_layout(1)
+    for _ in range(600):
+        (last,) = [s.segment_id for s in lay.active_segments()]
+        lay = split(lay, last, now_ms=0)
+        a, b = sorted(s.segment_id for s in lay.active_segments())
+        lay = merge(lay, a, b, now_ms=0)
+    (top,) = [s.segment_id for s in lay.active_segments()]
+    assert MergeDepths(lay.segments)[top] == 600  # lazily, from the top: as decide asks
+    assert merge_depth(lay, top) == 600
 
 
 def _raw(lay: Layout) -> dict[str, Any]:

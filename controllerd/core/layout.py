@@ -229,23 +229,36 @@ class MergeDepths:
         self._segments = segments
         self._ancestry: dict[int, frozenset[int]] = {}
 
-    def _merge_ancestry(self, sid: int, visiting: set[int]) -> frozenset[int]:
-        cached = self._ancestry.get(sid)
+    def _merge_ancestry(self, root: int) -> frozenset[int]:
+        """Depth-first over the parents, with a stack of our own: a chain of segments
+        1,000 deep (a rebucket's rollovers) exceeded Python's recursion limit."""
+        cached = self._ancestry.get(root)
         if cached is not None:
             return cached
-        seg = self._segments[sid]
-        visiting.add(sid)
-        found: set[int] = {sid} if len(seg.parent_ids) >= 2 else set()
-        for pid in seg.parent_ids:
-            if pid in self._segments and pid not in visiting:
-                found |= self._merge_ancestry(pid, visiting)
-        visiting.discard(sid)
-        result = frozenset(found)
-        self._ancestry[sid] = result
-        return result
+        segments, known = self._segments, self._ancestry
+        visiting = {root}
+        stack = [(root, iter(segments[root].parent_ids))]
+        while stack:
+            sid, parents = stack[-1]
+            for pid in parents:
+                if pid in segments and pid not in visiting and pid not in known:
+                    visiting.add(pid)
+                    stack.append((pid, iter(segments[pid].parent_ids)))
+                    break
+            else:  # every parent known (or pruned, or on the stack: a cycle, cut)
+                stack.pop()
+                seg = segments[sid]
+                found: set[int] = {sid} if len(seg.parent_ids) >= 2 else set()
+                for pid in seg.parent_ids:
+                    ancestry = known.get(pid)
+                    if ancestry is not None:
+                        found |= ancestry
+                visiting.discard(sid)
+                known[sid] = frozenset(found)
+        return known[root]
 
     def __getitem__(self, segment_id: int) -> int:
-        return len(self._merge_ancestry(segment_id, set()))
+        return len(self._merge_ancestry(segment_id))
 
 
 def merge_depths(segments: Mapping[int, Segment]) -> dict[int, int]:
