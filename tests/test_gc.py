@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from controllerd.core import gc
-from controllerd.core.layout import initial_layout, prune, split, violations
+from controllerd.core.layout import initial_layout, merge, prune, split, violations
 from controllerd.core.model import Layout
+from tests.test_properties import reachable
 
 DAY_MS = 86_400_000
 SEALED_AT = 1_000
@@ -103,3 +108,42 @@ def test_select_never_orphans_a_child_of_a_kept_parent() -> None:
     chosen = gc.select(lay, verdicts)
     assert chosen == [0, 1]
     assert violations(prune(lay, chosen)) == []
+
+
+def _select_by_passes(lay: Layout, verdicts: dict[int, gc.Verdict]) -> list[int]:
+    """The rule as first written (the spec): drop a chosen segment while a present parent
+    is not chosen, pass after pass until stable."""
+    chosen = {sid for sid, v in verdicts.items() if v.prunable and sid in lay.segments}
+    changed = True
+    while changed:
+        changed = False
+        for sid in sorted(chosen):
+            if any(p in lay.segments and p not in chosen for p in lay.segments[sid].parent_ids):
+                chosen.discard(sid)
+                changed = True
+    return sorted(chosen)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reachable(max_ops=20), st.data())
+def test_one_walk_selects_what_the_passes_did(reached: tuple[Layout, int], data: Any) -> None:
+    lay, _ = reached
+    sealed = sorted(sid for sid, s in lay.segments.items() if not s.active)
+    wanted = data.draw(st.sets(st.sampled_from(sealed))) if sealed else set()
+    verdicts = {sid: gc.Verdict(sid, sid in wanted, "") for sid in lay.segments}
+    assert gc.select(lay, verdicts) == _select_by_passes(lay, verdicts)
+
+
+def test_a_chain_of_sealed_segments_is_selected_in_one_walk() -> None:
+    """A chain of 3,000 sealed generations (it took 2 s a GC round, 25 s at 10,000): all of
+    it is selected when its root is; none of it when the root is held back."""
+    lay = initial_layout(1)
+    for _ in range(1_500):
+        (last,) = [s.segment_id for s in lay.active_segments()]
+        lay = split(lay, last, now_ms=0)
+        a, b = sorted(s.segment_id for s in lay.active_segments())
+        lay = merge(lay, a, b, now_ms=0)
+    sealed = [sid for sid, s in lay.segments.items() if not s.active]
+    every = {sid: gc.Verdict(sid, True, "") for sid in sealed}
+    assert gc.select(lay, every) == sorted(sealed)
+    assert gc.select(lay, {**every, 0: gc.Verdict(0, False, "")}) == []

@@ -320,7 +320,9 @@ def test_an_invalid_override_without_a_config_file_is_one_line() -> None:
     done = run(broker_args(), env={"CONTROLLERD_CLUSTER__NAME": "a/b"})
     assert done.returncode == EXIT_USAGE, done.stderr
     [line] = done.stderr.splitlines()
-    assert line.startswith("controllerd: cluster.name: must be non-empty printable ASCII without '/'")
+    assert line.startswith(
+        "controllerd: cluster.name: must be non-empty printable ASCII without '/'"
+    )
     assert line.endswith("(from CONTROLLERD_CLUSTER__NAME)")
 
 
