@@ -263,6 +263,17 @@ async def test_record_prints_only_its_summary_on_stdout_and_logs_as_configured(
         assert any(entry["level"] == "debug" for entry in logged), logged
 
 
+async def record_snapshot(store: Store, keys: Keys, root: Path) -> tuple[Recorder, ParquetSink]:
+    """Record etcd's snapshot under ``keys`` into ``root`` (then stop), flushed."""
+    sink = ParquetSink(root)
+    recorder = Recorder(keys, now_ms=lambda: T0 + 5_000)
+    async with anyio.create_task_group() as tg:
+        await tg.start(recorder.run, store, sink)
+        tg.cancel_scope.cancel()
+    await sink.flush()
+    return recorder, sink
+
+
 async def test_a_segment_id_parquet_cannot_hold_is_skipped_and_the_buffer_kept(
     store: Store, etcd_prefix: str, tmp_path: Path
 ) -> None:
@@ -275,12 +286,7 @@ async def test_a_segment_id_parquet_cannot_hold_is_skipped_and_the_buffer_kept(
     await store.put(f"{topic}/segments/{2**63}/load", load(10.0, T0))
     await store.put(f"{topic}/segments/99999999999999999999/load", load(10.0, T0))
     await store.put(f"{topic}/segments/-1/load", load(10.0, T0))
-    sink = ParquetSink(tmp_path)
-    recorder = Recorder(keys, now_ms=lambda: T0 + 5_000)
-    async with anyio.create_task_group() as tg:
-        await tg.start(recorder.run, store, sink)
-        tg.cancel_scope.cancel()
-    await sink.flush()
+    recorder, sink = await record_snapshot(store, keys, tmp_path)
     assert recorder.rejected == 3
     assert sink.counts == {LOADS: 1, LAYOUTS: 1, DECISIONS: 0}
     assert read_table(tmp_path, LOADS).column("segment_id").to_pylist() == [0]
@@ -341,12 +347,7 @@ async def test_a_layout_or_topic_the_history_cannot_hold_is_skipped_at_ingest(
     for name in ("x" * 250, "nul\x00"):
         await store.put(f"{prefix}a/b/{name}", json.dumps(good).encode())
         await store.put(f"{prefix}a/b/{name}/segments/0/load", load(10.0, T0))
-    sink = ParquetSink(tmp_path)
-    recorder = Recorder(keys, now_ms=lambda: T0 + 5_000)
-    async with anyio.create_task_group() as tg:
-        await tg.start(recorder.run, store, sink)
-        tg.cancel_scope.cancel()
-    await sink.flush()
+    recorder, sink = await record_snapshot(store, keys, tmp_path)
     assert recorder.rejected == 8
     assert sink.counts == {LOADS: 1, LAYOUTS: 1, DECISIONS: 0}
     assert read_table(tmp_path, LOADS).column("topic").to_pylist() == [TOPIC]
