@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -147,3 +148,14 @@ def test_a_chain_of_sealed_segments_is_selected_in_one_walk() -> None:
     every = {sid: gc.Verdict(sid, True, "") for sid in sealed}
     assert gc.select(lay, every) == sorted(sealed)
     assert gc.select(lay, {**every, 0: gc.Verdict(0, False, "")}) == []
+
+
+def test_a_cycle_of_parents_selects_nothing() -> None:
+    """A checked layout has no cycle; were one to reach GC, nothing in it is safe to prune."""
+    lay = split(initial_layout(1), 0, now_ms=0)  # 0 -> 1, 2
+    parent = lay.segments[0]
+    looped = dataclasses.replace(
+        lay, segments={**lay.segments, 0: dataclasses.replace(parent, parent_ids=(1,))}
+    )  # 0 <-> 1
+    verdicts = {sid: gc.Verdict(sid, True, "") for sid in looped.segments}
+    assert gc.select(looped, verdicts) == []

@@ -300,6 +300,16 @@ def test_an_ipv6_listen_address_in_brackets_is_served(
             pass
 
 
+@pytest.mark.parametrize("listen", [":0", "0"])
+def test_a_listen_address_without_a_host_is_the_loopback(
+    etcd_server: EtcdServer, kafka_broker: str, listen: str
+) -> None:
+    """``:PORT`` and ``PORT`` have always meant 127.0.0.1:PORT here."""
+    with serving(serving_args(etcd_server, kafka_broker, "--listen", listen)) as broker:
+        with socket.create_connection(("127.0.0.1", broker.listening["port"]), timeout=5):
+            pass
+
+
 @pytest.mark.parametrize("with_file", [True, False], ids=["config-file", "defaults"])
 def test_the_fencing_key_follows_the_environment_as_the_daemon_does(
     etcd_server: EtcdServer, kafka_broker: str, tmp_path: Path, with_file: bool

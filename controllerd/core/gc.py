@@ -109,8 +109,8 @@ def select(layout: Layout, verdicts: Mapping[int, Verdict]) -> list[int]:
     result is safe for :func:`layout.prune`. One walk over the parents, each
     segment decided once (the walk had been repeated until stable, dropping one
     segment a pass: 25 s for a chain of 10,000 sealed segments, every GC round).
-    A parent on the walk's own path (a cycle: an invalid layout) does not hold
-    its child back, as the repeated walk kept a cycle of prunable segments.
+    A parent on the walk's own path is a cycle, which a checked layout never has:
+    nothing is selected then (nothing is safe to say about it).
     """
     segments = layout.segments
     wanted = {sid for sid, v in verdicts.items() if v.prunable and sid in segments}
@@ -122,7 +122,9 @@ def select(layout: Layout, verdicts: Mapping[int, Verdict]) -> list[int]:
         while stack:
             sid = stack[-1]
             parents = [p for p in segments[sid].parent_ids if p in segments]
-            todo = next((p for p in parents if p not in kept and p not in on_path), None)
+            if any(p in on_path for p in parents):
+                return []
+            todo = next((p for p in parents if p not in kept), None)
             if todo is not None:
                 if todo in wanted:
                     stack.append(todo)
@@ -132,5 +134,5 @@ def select(layout: Layout, verdicts: Mapping[int, Verdict]) -> list[int]:
                 continue
             stack.pop()
             on_path.discard(sid)
-            kept[sid] = all(kept.get(p, True) for p in parents)
+            kept[sid] = all(kept[p] for p in parents)
     return sorted(sid for sid in wanted if kept[sid])

@@ -172,7 +172,10 @@ def _seconds(flag: str, value: float) -> float:
 
 def _options(args: argparse.Namespace) -> BrokerOptions:
     cfg = _config(args.config)
-    listen = config_mod.split_listen(args.listen)
+    # an empty host (":8080", or "8080") is the loopback address, as it always was here
+    host_part = args.listen.rpartition(":")[0]
+    address = args.listen if host_part else f"127.0.0.1:{args.listen.removeprefix(':')}"
+    listen = config_mod.split_listen(address)
     if listen is None:
         raise OperatorError(
             f"--listen {args.listen!r} is not host:port (a port 0-65535; an IPv6 host in [])",
