@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controllerd.core import gc
-from controllerd.core.layout import initial_layout, merge, prune, split, violations
+from controllerd.core.layout import initial_layout, prune, split, violations
 from controllerd.core.model import Layout
+from tests.support.layouts import split_merge_chain
 from tests.test_properties import reachable
 
 DAY_MS = 86_400_000
@@ -138,12 +139,7 @@ def test_one_walk_selects_what_the_passes_did(reached: tuple[Layout, int], data:
 def test_a_chain_of_sealed_segments_is_selected_in_one_walk() -> None:
     """A chain of 3,000 sealed generations (it took 2 s a GC round, 25 s at 10,000): all of
     it is selected when its root is; none of it when the root is held back."""
-    lay = initial_layout(1)
-    for _ in range(1_500):
-        (last,) = [s.segment_id for s in lay.active_segments()]
-        lay = split(lay, last, now_ms=0)
-        a, b = sorted(s.segment_id for s in lay.active_segments())
-        lay = merge(lay, a, b, now_ms=0)
+    lay = split_merge_chain(1_500)
     sealed = [sid for sid, s in lay.segments.items() if not s.active]
     every = {sid: gc.Verdict(sid, True, "") for sid in sealed}
     assert gc.select(lay, every) == sorted(sealed)

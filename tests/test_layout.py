@@ -32,6 +32,7 @@ from controllerd.core.model import (
     layout_to_json,
     load_sample_from_json,
 )
+from tests.support.layouts import split_merge_chain
 
 
 def ranges(layout: Layout) -> list[tuple[int, int]]:
@@ -143,12 +144,7 @@ def test_merge_depth_counts_merge_nodes_in_ancestry() -> None:
 def test_merge_depth_of_an_ancestry_deeper_than_the_recursion_limit() -> None:
     """A split, then a merge of its children, 600 times: 1,200 generations, which the
     recursive walk could not count (RecursionError; that topic was never decided again)."""
-    lay = initial_layout(1)
-    for _ in range(600):
-        (last,) = [s.segment_id for s in lay.active_segments()]
-        lay = split(lay, last, now_ms=0)
-        a, b = sorted(s.segment_id for s in lay.active_segments())
-        lay = merge(lay, a, b, now_ms=0)
+    lay = split_merge_chain(600)
     (top,) = [s.segment_id for s in lay.active_segments()]
     assert MergeDepths(lay.segments)[top] == 600  # lazily, from the top: as decide asks
     assert merge_depth(lay, top) == 600
