@@ -125,7 +125,7 @@ def _http_url(prefix: str, name: str, value: str) -> list[str]:
     return [f"{prefix}.{name}: must be an http:// or https:// URL (got {value!r})"]
 
 
-def _header_safe(text: str) -> bool:
+def header_safe(text: str) -> bool:
     """Printable ASCII: what an HTTP header value (the fencing key) can carry as is.
     httpx refuses anything else when it builds the request, so a cluster named
     ``prod-é`` failed every broker call (and GC's pending deletes exited 70)."""
@@ -172,7 +172,7 @@ class ClusterSettings:
     name: str = field(default="default", metadata=_RESTART)
 
     def errors(self, prefix: str = "cluster") -> list[str]:
-        if self.name and "/" not in self.name and _header_safe(self.name):
+        if self.name and "/" not in self.name and header_safe(self.name):
             return []
         return [
             f"{prefix}.name: must be non-empty printable ASCII without '/' "
@@ -214,7 +214,7 @@ class EtcdSettings:
         if self.metadata_prefix is not None:
             errs += _key_path(prefix, "metadata_prefix", self.metadata_prefix)
         errs += _key_path(prefix, "controller_prefix", self.controller_prefix)
-        if not _header_safe(self.controller_prefix.replace("/", "")):
+        if not header_safe(self.controller_prefix):
             errs.append(
                 f"{prefix}.controller_prefix: must be printable ASCII (got "
                 f"{self.controller_prefix!r}; the leader key under it goes in an HTTP header)"

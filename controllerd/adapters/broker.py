@@ -53,6 +53,7 @@ import httpx
 import orjson
 
 from controllerd.adapters import backoff
+from controllerd.config import header_safe
 from controllerd.core.layout import equal_boundaries
 from controllerd.core.model import (
     HashRange,
@@ -342,7 +343,7 @@ class BrokerClient:
         """Replace the bearer token (SIGHUP rotation); surrounding whitespace is dropped."""
         if token is not None:
             token = token.strip()
-            if not token or not all(" " <= c <= "~" for c in token):
+            if not token or not header_safe(token):
                 raise ValueError("bearer token must be one line of printable ASCII")
         self._token = token
 

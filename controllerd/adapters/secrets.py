@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from controllerd.config import header_safe
 from controllerd.errors import OperatorError
 from controllerd.files import read_regular
 
@@ -54,7 +55,7 @@ def secret_problem(data: bytes, *, header: bool = False) -> str | None:
         return "is empty"
     if "\n" in text or "\r" in text:
         return "must hold one line"
-    if header and not all(" " <= c <= "~" for c in text):
+    if header and not header_safe(text):
         return "must be printable ASCII (a bearer token goes in an HTTP header)"
     return None
 
