@@ -13,6 +13,7 @@ import pytest
 from starlette.routing import Route
 
 from controllerd.adapters.broker import (
+    MAX_ANSWER_BYTES,
     BrokerBug,
     BrokerClient,
     BrokerError,
@@ -327,6 +328,20 @@ async def test_an_answer_nested_past_python_s_recursion_limit_is_a_bug_not_a_cra
     state.answer_next = [(status, b"[" * 100_000 + b"]" * 100_000)]
     with pytest.raises(BrokerBug):
         await make_client().backlog(TOPIC, "0000-ffff-0", "sub")
+
+
+async def test_an_answer_past_the_size_cap_is_a_bug_and_is_not_kept(
+    make_client: ClientFactory, state: TestBrokerState
+) -> None:
+    """Read whole, a 500 MB answer took that much memory (2.5 GB over a 500's retries)."""
+    state.add_topic(TOPIC)
+    state.answer_next = [(200, b"0" * (MAX_ANSWER_BYTES + 1))]
+    with pytest.raises(BrokerBug, match="answer larger than"):
+        await make_client().backlog(TOPIC, "0000-ffff-0", "sub")
+    state.answer_next = [(200, b" " * (MAX_ANSWER_BYTES - 1) + b"7")]
+    assert await make_client().backlog(TOPIC, "0000-ffff-0", "sub") == 7  # at the cap: read
+    accepted = [r.headers.get("accept-encoding") for r in state.requests]
+    assert accepted and set(accepted) == {"identity"}  # counted bytes are kept bytes
 
 
 async def test_hung_request_times_out_and_is_retried(

@@ -104,6 +104,9 @@ RequestHook = Callable[[str, str, float, int | None], None]
 MAX_REDIRECTS: Final = 5
 BODY_LIMIT: Final = 512
 """Characters of a response body kept in an error (bodies can be whole stack traces)."""
+#: Bytes of one broker answer, at most. A layout mirrors an etcd value (1.5 MiB by
+#: default) and a backlog is a number: more is a broker that went wrong.
+MAX_ANSWER_BYTES: Final = 16 * 1024 * 1024
 
 FENCING_HEADER: Final = "X-Fencing-Token"
 FENCING_KEY_HEADER: Final = "X-Fencing-Key"
@@ -315,7 +318,11 @@ class BrokerClient:
             verify=verify,
             timeout=httpx.Timeout(timeout),
             follow_redirects=False,
-            headers={"Accept": "application/json", "User-Agent": "controllerd"},
+            headers={
+                "Accept": "application/json",
+                "Accept-Encoding": "identity",  # what _read_capped counts is what it keeps
+                "User-Agent": "controllerd",
+            },
         )
 
     def _local_name(self, topic: TopicName) -> str:
@@ -768,7 +775,7 @@ class BrokerClient:
                         headers=self._headers(url, method, fence),
                         content=b"" if method in ("PUT", "POST") else None,
                     )
-                    response = await self._client.send(request)
+                    response = await self._read_capped(request, method)
                     location = response.headers.get("location")
                     if response.status_code not in _REDIRECTS or not location:
                         return response
@@ -788,6 +795,41 @@ class BrokerClient:
                 url=_safe(url),
             ) from exc
         raise _Retryable(f"more than {MAX_REDIRECTS} redirects", None, "", True)
+
+    async def _read_capped(self, request: httpx.Request, method: str) -> httpx.Response:
+        """Send ``request`` and read its answer, refusing one over :data:`MAX_ANSWER_BYTES`.
+
+        Read whole, a 500 MB answer took that much memory (2.5 GB over the retries of
+        a 500) and stalled the loop parsing it. The client asks for no compression
+        (``Accept-Encoding: identity``), so the bytes counted are the bytes kept.
+        """
+        response = await self._client.send(request, stream=True)
+        too_big = BrokerBug(
+            f"answer larger than {MAX_ANSWER_BYTES:,} bytes",
+            method=method,
+            url=_safe(request.url),
+            status=response.status_code,
+        )
+        if response.is_stream_consumed:  # a transport that answered with its content read
+            if len(response.content) > MAX_ANSWER_BYTES:
+                raise too_big
+            return response
+        try:
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_raw():
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:
+                    raise too_big
+                chunks.append(chunk)
+        finally:
+            await response.aclose()
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            content=b"".join(chunks),
+            request=request,
+        )
 
     def _headers(
         self, url: httpx.URL, method: str, fence: tuple[int | None, str | None]
