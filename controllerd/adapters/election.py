@@ -310,6 +310,16 @@ def parse_identity(value: bytes) -> dict[str, Any]:
     return {"unparsed": value[: IDENTITY_TEXT_MAX * 4].decode(errors="replace")[:IDENTITY_TEXT_MAX]}
 
 
+def identity_name(identity: Mapping[str, Any], fallback: str) -> str:
+    """What to call the replica (or shard member) ``identity`` names: its name, else the
+    text of an identity that did not parse, else ``fallback``."""
+    for field_name in ("replica", "member", "unparsed"):
+        value = identity.get(field_name)
+        if isinstance(value, str) and value:
+            return value
+    return fallback
+
+
 def _plain(value: object) -> bool:
     if isinstance(value, str):
         return len(value) <= IDENTITY_TEXT_MAX

@@ -47,7 +47,13 @@ from controllerd import config as config_mod
 from controllerd.adapters import backoff, sdnotify
 from controllerd.adapters.audit import AuditSink, open_audit
 from controllerd.adapters.broker import BrokerClient, as_profile
-from controllerd.adapters.election import Leadership, current_leader, lead, wait_for_turn
+from controllerd.adapters.election import (
+    Leadership,
+    current_leader,
+    identity_name,
+    lead,
+    wait_for_turn,
+)
 from controllerd.adapters.membership import ShardMembership
 from controllerd.adapters.secrets import config_file_errors, read_secret
 from controllerd.adapters.store import Store, StoreError, StoreUnavailable, open_store
@@ -302,8 +308,8 @@ class Daemon:
         if token is not None:
             return f"leading (token {token}, {topics} topics)"
         leader = self._leader
-        who = (leader[0].get("replica") or leader[0].get("unparsed")) if leader else None
-        return f"standing by (leader: {who or 'none'}, {topics} topics in view)"
+        who = identity_name(leader[0], "none") if leader else "none"
+        return f"standing by (leader: {who}, {topics} topics in view)"
 
     # -- run -----------------------------------------------------------------------------
 

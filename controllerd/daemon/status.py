@@ -23,7 +23,7 @@ from typing import Any, Final
 import anyio
 
 from controllerd import config as config_mod
-from controllerd.adapters.election import parse_identity
+from controllerd.adapters.election import identity_name, parse_identity
 from controllerd.adapters.secrets import read_secret
 from controllerd.adapters.store import KeyValue, Store, StoreError, StoreUnavailable, open_store
 from controllerd.core import shards as shards_mod
@@ -42,14 +42,6 @@ def election_mode(cfg: config_mod.Config) -> tuple[str, int]:
     mode = str(getattr(election, "mode", SINGLE))
     shards = int(getattr(election, "shards", shards_mod.DEFAULT_SHARDS))
     return mode, shards
-
-
-def _name(identity: Mapping[str, Any], fallback: str) -> str:
-    for field in ("replica", "member", "unparsed"):
-        value = identity.get(field)
-        if isinstance(value, str) and value:
-            return value
-    return fallback
 
 
 async def read_status(cfg: config_mod.Config, *, within: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
@@ -144,7 +136,7 @@ def sharded_view(
             continue
         identity = parse_identity(kv.value)
         owners[shards_mod.shard_name(shard)] = {
-            "owner": _name(identity, "?"),
+            "owner": identity_name(identity, "?"),
             "fencing_token": kv.create_revision,
         }
     owned_by: dict[str, int] = {}
@@ -213,7 +205,7 @@ def render_table(status: Mapping[str, Any]) -> str:
             where = ", ".join(
                 f"{k} {_shown(leader[k])}" for k in ("host", "pid") if leader.get(k) is not None
             )
-            name = _shown(_name(leader, "?"))
+            name = _shown(identity_name(leader, "?"))
             rows.append(("leader", f"{name} ({where})" if where else name))
             rows.append(("fencing token", str(status["fencing_token"])))
         return _aligned(rows)
