@@ -150,7 +150,7 @@ async def test_records_snapshot_and_watch_as_parquet_by_topic_and_hour(
 
     hours = sorted(p.name for p in (tmp_path / LOADS / "topic=acme%2Fns%2Forders").iterdir())
     assert len(hours) == 2 and all(h.startswith("hour=") for h in hours)
-    loads = read_table(tmp_path, LOADS).sort_by("mod_revision").to_pylist()
+    loads = recorded_loads(tmp_path)
     assert [r["topic"] for r in loads] == [TOPIC] * 5
     assert [(r["segment_id"], r["range_start"], r["range_end"]) for r in loads] == [
         (0, 0, 0x7FFF),
@@ -263,6 +263,12 @@ async def test_record_prints_only_its_summary_on_stdout_and_logs_as_configured(
         assert any(entry["level"] == "debug" for entry in logged), logged
 
 
+def recorded_loads(root: Path) -> list[dict[str, Any]]:
+    """The load rows recorded under ``root``, in etcd's order."""
+    rows: list[dict[str, Any]] = read_table(root, LOADS).sort_by("mod_revision").to_pylist()
+    return rows
+
+
 async def record_snapshot(store: Store, keys: Keys, root: Path) -> tuple[Recorder, ParquetSink]:
     """Record etcd's snapshot under ``keys`` into ``root`` (then stop), flushed."""
     sink = ParquetSink(root)
@@ -324,7 +330,7 @@ async def test_a_number_beyond_a_float_is_skipped_and_counted(
         tg.cancel_scope.cancel()
     await sink.flush()
     assert recorder.rejected == 3
-    rows = read_table(tmp_path, LOADS).sort_by("mod_revision").to_pylist()
+    rows = recorded_loads(tmp_path)
     assert [(r["segment_id"], r["msg_rate_in"]) for r in rows] == [(0, 10.0), (1, 20.0)]
 
 
@@ -548,7 +554,7 @@ async def test_a_compacted_watch_is_followed_again_from_a_new_snapshot(
         tg.cancel_scope.cancel()
     await sink.flush()
     assert recorder.rejected == 0
-    rows = read_table(tmp_path, LOADS).sort_by("mod_revision").to_pylist()
+    rows = recorded_loads(tmp_path)
     # the snapshot's record, the watch's, the newest one written while the recorder
     # was cut off (not the one it overwrote), and both written after: the deleted
     # topic's without a range
@@ -585,7 +591,7 @@ async def test_a_load_takes_no_range_from_a_layout_no_longer_there(
         await sink.wait_for(LOADS, 3)
         tg.cancel_scope.cancel()
     await sink.flush()
-    rows = read_table(tmp_path, LOADS).sort_by("mod_revision").to_pylist()
+    rows = recorded_loads(tmp_path)
     assert [(r["segment_id"], r["range_start"], r["range_end"]) for r in rows] == [
         (0, None, None),
         (1, 0, 0x7FFF),
