@@ -8,9 +8,10 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
+from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -18,7 +19,14 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from controllerd import config as config_mod
-from controllerd.adapters.store import Store, open_store
+from controllerd.adapters.store import (
+    KeyValue,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    WatchEvent,
+    open_store,
+)
 from controllerd.core.layout import initial_layout, split
 from controllerd.core.model import layout_to_json
 from controllerd.core.view import Keys
@@ -540,7 +548,7 @@ async def test_a_compacted_watch_is_followed_again_from_a_new_snapshot(
     ):
         await tg.start(recorder.run, cut_off, sink)
         await store.put(f"{topic}/segments/0/load", load(1.5, T0 + 1))
-        await sink.wait_for(LOADS, 2)  # the watch is up (cut while it is created, it fails)
+        await sink.wait_for(LOADS, 2)  # the watch is up: the cut below comes after its creation
         await proxy.set_mode("refuse")
         await store.delete_prefix(gone)
         await store.put(f"{topic}/segments/0/load", load(2.0, T0 + 2))
@@ -566,6 +574,72 @@ async def test_a_compacted_watch_is_followed_again_from_a_new_snapshot(
         (5.0, None),
     ]
     assert read_table(tmp_path, LAYOUTS).num_rows == 2  # the unchanged layout is not repeated
+
+
+class FailingStore:
+    """The real store, except that the first watch waits for ``release`` and then
+    fails with an error etcd can answer but the test cannot provoke on demand (the
+    watch cancelled), and the first read after ``fail_reads`` is set fails as an
+    unreachable etcd does."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.release = anyio.Event()
+        self.watches = 0
+        self.fail_reads = False
+        self.failed_reads = 0
+
+    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        if self.fail_reads and not self.failed_reads:
+            self.failed_reads += 1
+            raise StoreUnavailable("KV.Range: etcd unavailable for 0.5s (injected)")
+        return await self.store.get_prefix(prefix)
+
+    async def watch_prefix(
+        self, prefix: str, start_revision: int
+    ) -> AsyncGenerator[list[WatchEvent], None]:
+        self.watches += 1
+        if self.watches == 1:
+            await self.release.wait()
+            raise StoreError("watch cancelled by etcd: injected")
+        async with aclosing(self.store.watch_prefix(prefix, start_revision)) as batches:
+            async for batch in batches:
+                yield batch
+
+
+async def test_etcd_failing_after_the_start_ends_no_recording_and_loses_no_change(
+    etcd_server: EtcdServer, store: Store, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """The watch failing for a reason other than a transport failure (gRPC INTERNAL
+    when the connection was cut while the watch was being created, etcd cancelling
+    it), or the new snapshot after a compaction failing, ended a running ``record``
+    with "etcd ... is unreachable" (exit 3). Now each is retried, from the last
+    revision recorded: here the watch fails while a record is overwritten and etcd
+    compacts, and the new snapshot's first read fails too."""
+    keys = Keys(f"{etcd_prefix}pulsar", f"{etcd_prefix}controllerd/default")
+    topic = f"{keys.topics_prefix}{TOPIC}"
+    await store.put(topic, json.dumps(layout_to_json(initial_layout(1, now_ms=T0))).encode())
+    await store.put(f"{topic}/segments/0/load", load(1.0, T0))
+    sink = WatchedSink(tmp_path)
+    recorder = Recorder(keys, now_ms=lambda: T0 + 5_000)
+    failing = FailingStore(store)
+    async with anyio.create_task_group() as tg:
+        await tg.start(recorder.run, cast(Store, failing), sink)
+        await sink.wait_for(LOADS, 1)
+        await store.put(f"{topic}/segments/0/load", load(2.0, T0 + 2))
+        revision = await store.put(f"{topic}/segments/0/load", load(3.0, T0 + 3))
+        await compact(etcd_server.endpoint, revision)
+        failing.fail_reads = True
+        failing.release.set()
+        await sink.wait_for(LOADS, 2)  # the new snapshot's, after its failed first read
+        await store.put(f"{topic}/segments/0/load", load(4.0, T0 + 4))
+        await sink.wait_for(LOADS, 3)
+        tg.cancel_scope.cancel()
+    await sink.flush()
+    assert failing.watches >= 2
+    assert failing.failed_reads == 1
+    assert recorder.rejected == 0
+    assert [r["msg_rate_in"] for r in recorded_loads(tmp_path)] == [1.0, 3.0, 4.0]
 
 
 async def test_a_load_takes_no_range_from_a_layout_no_longer_there(

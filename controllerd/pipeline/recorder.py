@@ -5,7 +5,9 @@ follows it with one watch from the snapshot's revision, so no change between
 the two is lost (:meth:`controllerd.adapters.store.Store.watch_prefix`). A watch
 that etcd compacted away (after an outage longer than etcd keeps history) is
 followed again from a new snapshot, of which only the keys changed meanwhile
-are recorded; versions both written and overwritten meanwhile are lost. Layouts become
+are recorded; versions both written and overwritten meanwhile are lost. Once the
+first snapshot is recorded, no etcd failure ends the run: it is logged
+(``record.watch.failed``) and the watch retried from the last revision recorded. Layouts become
 ``layouts`` rows and tell it each segment's hash range; load records become
 ``loads`` rows carrying that range, so a recorded history replays on its own
 (:func:`controllerd.pipeline.traces.import_history`). When ``[audit]`` names a
@@ -34,6 +36,7 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
+from controllerd.adapters import backoff
 from controllerd.adapters.secrets import read_secret
 from controllerd.adapters.store import Store, StoreError, WatchCompacted, open_store
 from controllerd.config import Config
@@ -227,16 +230,26 @@ class Recorder:
     ) -> None:
         """Record the snapshot, report its revision as started, then follow the watch.
 
-        A compacted watch (:class:`WatchCompacted`) is followed again from a new
-        snapshot (:meth:`_snapshot`); other etcd failures end the recorder.
+        Only the first snapshot may fail the run (etcd unreachable at start is the
+        operator's to fix). Once started, etcd failures are ridden out as the
+        daemon's follower does: a compacted watch (:class:`WatchCompacted`) is
+        followed again from a new snapshot (:meth:`_snapshot`), and any other
+        failure of the watch or of that snapshot is logged and retried with backoff
+        from the last revision recorded, so no change is skipped.
         """
         prefix = self._keys.topics_prefix
         revision = await self._snapshot(store, sink, after=0)
         task_status.started(revision)
+        failures = 0
+        compacted = False
         while True:
             try:
+                if compacted:
+                    revision = await self._snapshot(store, sink, after=revision)
+                    compacted = False
                 async with aclosing(store.watch_prefix(prefix, revision + 1)) as batches:
                     async for batch in batches:
+                        failures = 0
                         for event in batch:
                             if event.kind == "put":
                                 self._add(sink, event.key, event.value, event.mod_revision)
@@ -248,7 +261,18 @@ class Recorder:
                 log.warning(
                     "record.watch.compacted", revision=revision, compact_revision=exc.revision
                 )
-                revision = await self._snapshot(store, sink, after=revision)
+                compacted = True
+            except StoreError as exc:
+                delay = backoff.ETCD.delay(failures)
+                failures += 1
+                log.warning(
+                    "record.watch.failed",
+                    revision=revision,
+                    resnapshot=compacted,
+                    error=str(exc),
+                    retry_in_s=round(delay, 3),
+                )
+                await anyio.sleep(delay)
 
     async def _snapshot(self, store: Store, sink: ParquetSink, *, after: int) -> int:
         """Record the keys of a new snapshot written after revision ``after``; its revision.
@@ -445,8 +469,9 @@ async def record_from_config(
     ``task_status`` is started once etcd's snapshot is recorded (and the audit
     consumer joined); ``duration`` counts from then, so a run never ends
     "successfully" without having read etcd. etcd or Kafka that cannot be
-    reached is an :class:`OperatorError` (``EXIT_UNAVAILABLE``) naming the
-    setting. The rows buffered so far are flushed however it ends.
+    reached at start is an :class:`OperatorError` (``EXIT_UNAVAILABLE``) naming
+    the setting; etcd failing later is retried (:meth:`Recorder.run`). The rows
+    buffered so far are flushed however it ends.
     """
     from aiokafka.errors import KafkaError
 
