@@ -15,10 +15,11 @@ import structlog.testing
 
 from controllerd.adapters import store as store_module
 from controllerd.adapters.audit import AuditSink
+from controllerd.adapters.broker import BrokerClient, BrokerError, BrokerUnavailable, Unauthorized
 from controllerd.adapters.election import Leadership, current_leader, lead
 from controllerd.adapters.store import Delete, KeyValue, Put, Store, open_store
-from controllerd.core.layout import initial_layout, prune
-from controllerd.core.model import Decision, PolicySettings, TopicName, layout_from_json
+from controllerd.core.layout import initial_layout, prune, split
+from controllerd.core.model import Decision, Layout, PolicySettings, TopicName, layout_from_json
 from controllerd.core.view import Keys, LoadTable, TopicState
 from controllerd.daemon import controller as controller_module
 from controllerd.daemon.controller import Controller
@@ -503,6 +504,237 @@ async def test_gc_waiting_on_the_broker_is_not_charged_to_the_pacer_as_loop_time
         before = h.count(paced)
         await h.controller.gc_round()
         assert h.count(paced) - before < SlowGC.wait / 4
+
+
+# GC asks one topic's backlogs concurrently, at most GC_BACKLOG_CALLS at once. These run
+# GC past retention at once (retention 0), so no clock advance and no tick intervenes.
+AT_ONCE = "[gc]\ndefault_retention_seconds = 0\ninterval_seconds = 1e9\n"
+#: Generous: a held call waits for the others, so sequential calls wait here forever.
+GATE_SECONDS = 10.0
+
+
+async def _sealed_roots(
+    h: Harness, roots: int, subscriptions: int, topic: TopicName = TOPIC
+) -> Layout:
+    """``topic`` with ``roots`` segments, each split once, and ``subscriptions``
+    subscriptions (``s0``, ``s1``, ...): ``roots`` sealed candidates, none a parent of
+    another (each is pruned or kept on its own), ``roots * subscriptions`` backlog calls."""
+    now = h.clock.now_ms()
+    layout = initial_layout(roots, now)
+    for sid in range(roots):
+        layout = split(layout, sid, now_ms=now)
+    h.broker_state.topics[topic] = layout
+    for n in range(subscriptions):
+        await h.add_subscription(f"s{n}", topic=topic)
+    await h.store.put(h.keys.layout(topic), layout_json(layout))
+
+    def seen() -> bool:
+        state = h.controller.view.topics.get(topic)
+        return (
+            state is not None
+            and state.layout == layout
+            and len(state.subscriptions) == subscriptions
+        )
+
+    await eventually(seen)
+    return layout
+
+
+async def _stored_segments(h: Harness, topic: TopicName = TOPIC) -> set[int]:
+    layout = layout_from_json(await stored_json(h.store, h.keys.layout(topic)))
+    return set(layout.segments)
+
+
+def _sealed_roots_pruned(layout: Layout, stored: set[int]) -> bool:
+    """Every sealed segment of ``layout`` is gone from ``stored``, every active one is left."""
+    return stored == {s.segment_id for s in layout.active_segments()}
+
+
+class HeldBacklogs:
+    """Stands in for the broker client's ``backlog`` on ``topic`` (other topics pass
+    straight through): holds every call until ``hold`` are in flight at once, then
+    asks the broker (or, with ``answer=False``, waits until cancelled). Raises
+    ``fail[(descriptor, subscription)]`` instead of asking. Counts the calls in flight,
+    the most at once and those cancelled."""
+
+    def __init__(
+        self,
+        broker: BrokerClient,
+        hold: int,
+        *,
+        topic: TopicName = TOPIC,
+        fail: Mapping[tuple[str, str], Exception] | None = None,
+        answer: bool = True,
+    ) -> None:
+        self._ask = broker.backlog
+        self._hold = hold
+        self._topic = topic
+        self._fail = dict(fail or {})
+        self._answer = answer
+        self.full = anyio.Event()
+        self.asked: list[tuple[str, str]] = []
+        self.in_flight = 0
+        self.most = 0
+        self.cancelled = 0
+
+    async def backlog(self, topic: TopicName, descriptor: str, subscription: str) -> int | None:
+        if topic != self._topic:
+            return await self._ask(topic, descriptor, subscription)
+        self.asked.append((descriptor, subscription))
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        if self.in_flight >= self._hold:
+            self.full.set()
+        try:
+            await self.full.wait()
+            if not self._answer:
+                await anyio.sleep_forever()
+            failure = self._fail.get((descriptor, subscription))
+            if failure is not None:
+                raise failure
+            return await self._ask(topic, descriptor, subscription)
+        except anyio.get_cancelled_exc_class():
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+
+
+def _failed_call(message: str, kind: type[BrokerError] = BrokerUnavailable) -> BrokerError:
+    return kind(message, method="GET", url="/admin/v2/segments/backlog")
+
+
+async def test_gc_asks_a_topics_backlogs_concurrently(
+    etcd_server: EtcdServer, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every backlog answer is held until all six calls of the topic are in flight at
+    once: asked one after another (one HTTP round trip, up to a timeout with retries,
+    each), the first would wait for the others forever."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=AT_ONCE) as h:
+        layout = await _sealed_roots(h, roots=2, subscriptions=3)
+        gate = HeldBacklogs(h.broker, hold=6)
+        monkeypatch.setattr(h.broker, "backlog", gate.backlog)
+        with anyio.fail_after(GATE_SECONDS):
+            await h.controller.gc_round()
+        assert gate.most == 6 and len(gate.asked) == len(set(gate.asked)) == 6
+        assert h.requests("/backlog") == 6  # each asked of the broker, once
+        assert _sealed_roots_pruned(layout, await _stored_segments(h))
+        assert {(TOPIC, layout.segments[sid].descriptor) for sid in (0, 1)} <= (
+            h.broker_state.deleted_segments
+        )
+
+
+async def test_gc_never_has_more_backlog_calls_in_flight_than_its_bound(
+    etcd_server: EtcdServer, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A topic with more than twice as many backlog calls as the bound: the calls fill
+    the bound (the answers are held until they do) and never exceed it, each is asked
+    once, and the topic is collected."""
+    bound = controller_module.GC_BACKLOG_CALLS
+    roots, subscriptions = 4, bound // 2 + 1
+    calls = roots * subscriptions
+    assert calls > 2 * bound
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=AT_ONCE) as h:
+        layout = await _sealed_roots(h, roots, subscriptions)
+        gate = HeldBacklogs(h.broker, hold=bound)
+        monkeypatch.setattr(h.broker, "backlog", gate.backlog)
+        with anyio.fail_after(GATE_SECONDS):
+            await h.controller.gc_round()
+        assert gate.most == bound
+        assert len(gate.asked) == len(set(gate.asked)) == calls
+        assert h.requests("/backlog") == calls
+        assert _sealed_roots_pruned(layout, await _stored_segments(h))
+
+
+async def test_a_failed_backlog_call_among_many_keeps_only_its_segment(
+    etcd_server: EtcdServer, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls in flight together, two of them failing: each failure makes that backlog
+    unknown, so its segment is kept, and is logged; a refused credential is also an
+    operator error. The other segments are decided on their own answers."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=AT_ONCE) as h:
+        layout = await _sealed_roots(h, roots=4, subscriptions=3)
+        unavailable, refused = layout.segments[1].descriptor, layout.segments[2].descriptor
+        h.broker_state.backlogs[(TOPIC, layout.segments[3].descriptor, "s0")] = 5
+        fail = {
+            (unavailable, "s1"): _failed_call("gave up after 6 attempts"),
+            (refused, "s2"): _failed_call("HTTP 403", Unauthorized),
+        }
+        gate = HeldBacklogs(h.broker, hold=12, fail=fail)
+        monkeypatch.setattr(h.broker, "backlog", gate.backlog)
+        with structlog.testing.capture_logs() as logs, anyio.fail_after(GATE_SECONDS):
+            await h.controller.gc_round()
+        assert gate.most == 12 and len(gate.asked) == 12
+        stored = await _stored_segments(h)
+        assert 0 not in stored and {1, 2, 3} <= stored  # 3 kept by its backlog
+        assert h.broker_state.deleted_segments == {(TOPIC, layout.segments[0].descriptor)}
+        failed = [
+            (e["segment"], e["subscription"]) for e in logs if e["event"] == "gc.backlog.failed"
+        ]
+        assert sorted(failed) == [(1, "s1"), (2, "s2")]
+        assert h.count("controllerd_operator_errors_total", kind="broker-auth") == 1
+        verdicts = {e["segment"]: e["reason"] for e in logs if e["event"] == "gc.verdict"}
+        assert verdicts == {0: "drained", 1: "not-drained", 2: "not-drained", 3: "backlog"}
+
+
+@pytest.mark.parametrize("error", [ValueError("bad answer"), TypeError("bad type")])
+async def test_another_error_from_a_backlog_call_fails_only_its_topic_as_before(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    error: Exception,
+) -> None:
+    """An exception that is not a :class:`BrokerError` reaches ``gc_round`` as itself,
+    not wrapped in an exception group: the topic is logged as failed and not pruned,
+    its other calls in flight are cancelled, and the round goes on to the next topic."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=AT_ONCE) as h:
+        layout = await _sealed_roots(h, roots=2, subscriptions=3)
+        other = TopicName("acme", "ns", "other")  # after TOPIC in the round
+        other_layout = await _sealed_roots(h, roots=1, subscriptions=1, topic=other)
+        fail = {(layout.segments[0].descriptor, "s0"): error}
+        gate = HeldBacklogs(h.broker, hold=6, fail=fail)
+        monkeypatch.setattr(h.broker, "backlog", gate.backlog)
+        with structlog.testing.capture_logs() as logs, anyio.fail_after(GATE_SECONDS):
+            await h.controller.gc_round()
+        failed = [e for e in logs if e["event"] == "gc.topic.failed"]
+        assert [(e["topic"], e["error"]) for e in failed] == [(str(TOPIC), str(error))]
+        assert gate.cancelled == 5 and gate.in_flight == 0
+        assert await _stored_segments(h) == set(layout.segments)
+        assert _sealed_roots_pruned(other_layout, await _stored_segments(h, other))
+
+
+async def test_an_error_gc_round_does_not_handle_still_leaves_it_unwrapped(
+    etcd_server: EtcdServer, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``gc_round`` does not handle leaves it as it did when the calls ran one after
+    another: the exception itself, not an exception group."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=AT_ONCE) as h:
+        layout = await _sealed_roots(h, roots=2, subscriptions=3)
+        fail = {(layout.segments[1].descriptor, "s2"): RuntimeError("a bug")}
+        gate = HeldBacklogs(h.broker, hold=6, fail=fail)
+        monkeypatch.setattr(h.broker, "backlog", gate.backlog)
+        with pytest.raises(RuntimeError, match=r"^a bug$"), anyio.fail_after(GATE_SECONDS):
+            await h.controller.gc_round()
+        assert gate.cancelled == 5 and gate.in_flight == 0
+
+
+async def test_cancelling_gc_cancels_the_backlog_calls_in_flight(
+    etcd_server: EtcdServer, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leadership lost or shutdown cancels the GC round: every backlog call in flight is
+    cancelled with it, none is left running and nothing is pruned."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=AT_ONCE) as h:
+        layout = await _sealed_roots(h, roots=2, subscriptions=3)
+        gate = HeldBacklogs(h.broker, hold=6, answer=False)
+        monkeypatch.setattr(h.broker, "backlog", gate.backlog)
+        with anyio.fail_after(GATE_SECONDS):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(h.controller.gc_round)
+                await gate.full.wait()
+                tg.cancel_scope.cancel()
+        assert gate.cancelled == 6 and gate.in_flight == 0
+        assert await _stored_segments(h) == set(layout.segments)
+        assert h.broker_state.deleted_segments == set()
 
 
 async def test_a_deposed_leader_cannot_prune(etcd_server: EtcdServer, etcd_prefix: str) -> None:

@@ -75,6 +75,7 @@ from controllerd.core.model import (
     NoAction,
     PolicySettings,
     Rates,
+    Segment,
     Split,
     TopicName,
     decision_to_json,
@@ -120,6 +121,11 @@ log = structlog.get_logger("controllerd.daemon.controller")
 LAYOUT_CATCH_UP_SECONDS: Final = 5.0
 #: Evaluations (and so admin calls) in flight at once across topics: the workers.
 MAX_CONCURRENT_EVALUATIONS: Final = 16
+#: Backlog calls one topic's GC has in flight at once. With the evaluation workers'
+#: calls that is at most 32 of the broker client's 100 pooled connections (httpx's
+#: default), so GC never makes a split or merge wait for a connection (the wait counts
+#: against that call's timeout), and 16 fit within the pool's 20 kept-alive ones.
+GC_BACKLOG_CALLS: Final = 16
 #: Topics handled between two yields to the event loop in loops over all topics.
 SLICE: Final = 500
 #: The share of the event loop background work may take (the tick's pass, a term's
@@ -1502,25 +1508,14 @@ class Controller:
         assert layout is not None
         topic, now = state.name, self._clock.now_ms()
         retention = self._retention(state)
+        segments = gc.candidates(layout, now, retention)
+        # A consumer's subscription counts even before (or without) its own key. Read with
+        # the layout, before any await: every candidate is asked about the same ones.
+        subscriptions = sorted(state.subscriptions.keys() | state.consumers.keys())
+        backlogs = await self._gc_backlogs(topic, segments, subscriptions)
         verdicts: dict[int, gc.Verdict] = {}
-        for seg in gc.candidates(layout, now, retention):
-            backlogs: dict[str, int | None] = {}
-            # A consumer's subscription counts even before (or without) its own key.
-            for sub in sorted(state.subscriptions.keys() | state.consumers.keys()):
-                try:
-                    backlogs[sub] = await self._broker.backlog(topic, seg.descriptor, sub)
-                except BrokerError as exc:
-                    if isinstance(exc, Unauthorized):
-                        self._operator_error("broker-auth", str(exc))
-                    log.warning(
-                        "gc.backlog.failed",
-                        topic=str(topic),
-                        segment=seg.segment_id,
-                        subscription=sub,
-                        error=str(exc),
-                    )
-                    backlogs[sub] = None  # unknown is never drained
-            verdict = gc.prunable(seg, now, retention, backlogs)
+        for seg in segments:
+            verdict = gc.prunable(seg, now, retention, backlogs[seg.segment_id])
             verdicts[seg.segment_id] = verdict
             log.debug(
                 "gc.verdict",
@@ -1576,6 +1571,57 @@ class Controller:
         )
         for sid in chosen:
             await self._finish_delete(leadership, topic, layout.segments[sid].descriptor, sid)
+
+    async def _gc_backlogs(
+        self, topic: TopicName, segments: list[Segment], subscriptions: list[str]
+    ) -> dict[int, dict[str, int | None]]:
+        """Every subscription's backlog on every segment, by segment id; None = unknown.
+
+        At most :data:`GC_BACKLOG_CALLS` calls are in flight: that many workers take
+        the calls in the sequential order (segment, then subscription). A
+        :class:`BrokerError` makes that one backlog unknown, which is never drained.
+        Any other exception stops the other calls and is raised as itself, not in an
+        exception group, as when the calls ran one after another (``gc_round``
+        handles it per topic). Cancelling the caller cancels the calls in flight.
+        """
+        backlogs: dict[int, dict[str, int | None]] = {s.segment_id: {} for s in segments}
+        calls = itertools.product(segments, subscriptions)  # lazy: one pair per call
+        workers = min(GC_BACKLOG_CALLS, len(segments) * len(subscriptions))
+        failures: list[Exception] = []
+
+        async def worker(scope: anyio.CancelScope) -> None:
+            for seg, sub in calls:  # shared: each call is taken by exactly one worker
+                try:
+                    backlogs[seg.segment_id][sub] = await self._gc_backlog(topic, seg, sub)
+                except Exception as exc:  # not a BrokerError: see the docstring
+                    failures.append(exc)
+                    scope.cancel()
+                    return
+
+        if not workers:
+            return backlogs  # nothing to ask: no await, as before
+        async with anyio.create_task_group() as tg:
+            for _ in range(workers):
+                tg.start_soon(worker, tg.cancel_scope)
+        if failures:
+            raise failures[0]  # the first; the calls it cancelled have no answer to give
+        return backlogs
+
+    async def _gc_backlog(self, topic: TopicName, seg: Segment, sub: str) -> int | None:
+        """One subscription's backlog on one segment; None if the broker did not say."""
+        try:
+            return await self._broker.backlog(topic, seg.descriptor, sub)
+        except BrokerError as exc:
+            if isinstance(exc, Unauthorized):
+                self._operator_error("broker-auth", str(exc))
+            log.warning(
+                "gc.backlog.failed",
+                topic=str(topic),
+                segment=seg.segment_id,
+                subscription=sub,
+                error=str(exc),
+            )
+            return None  # unknown is never drained
 
     def _retention(self, state: TopicState) -> float:
         """Seconds a sealed segment of this topic is kept (negative: forever).
