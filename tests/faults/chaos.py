@@ -95,6 +95,16 @@ class Chaos:
     def alive(self) -> list[Replica]:
         return [r for r in self.replicas if r.alive()]
 
+    def log_tails(self, chars: int = 4000) -> str:
+        """The end of every replica's log, for a test that timed out to print: a wait
+        that fails in CI leaves nothing else behind to explain it."""
+        return "\n".join(
+            f"--- {r.name} ---\n"
+            + r.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
+            for r in self.replicas
+            if r.log_path.exists()
+        )
+
     def assert_alive(self) -> None:
         """Fail at once, with the end of its log, if a replica ended on its own."""
         for replica in self.replicas:
