@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from contextlib import AbstractAsyncContextManager, aclosing
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -535,3 +536,131 @@ def test_a_response_cut_inside_a_field_is_refused() -> None:
         _skip_fields(raw[:-10], 0, len(raw))
     with pytest.raises(ValueError, match="wire type 7"):
         _skip_fields(bytes([0x0F, 0]), 0, 1)
+
+
+# -- responses over the receive limit -----------------------------------------------------
+#
+# etcd sizes nothing by bytes: a page is 1,000 keys and a catch-up 1,000 revisions,
+# and values may be 1.5 MiB, so either can exceed any receive limit. These tests
+# shrink the limit instead of writing hundreds of megabytes (bench/bigvalues_bench.py
+# does that at the default limit).
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+def _limited_store(etcd_server: EtcdServer, limit: int) -> AbstractAsyncContextManager[Store]:
+    """A store that refuses any response over ``limit`` bytes, as grpc does."""
+    return open_store([etcd_server.endpoint], timeout=5.0, retry_for=5.0, max_receive_bytes=limit)
+
+
+@pytest.mark.parametrize("big", ["values", "keys"])
+async def test_get_prefix_reads_a_page_too_large_to_receive_in_smaller_pages(
+    store: Store, etcd_server: EtcdServer, etcd_prefix: str, big: str
+) -> None:
+    """Halved pages (or listings, for big keys) give exactly the unpaged read."""
+    prefix = etcd_prefix + "p/"
+    pad = "k" * (60 * KIB) if big == "keys" else ""
+    value = b"v" * (100 * KIB) if big == "values" else b"v"
+    small = [f"{prefix}a{i:02d}" for i in range(30)] + [f"{prefix}c{i:02d}" for i in range(30)]
+    large = [f"{prefix}b{i:02d}{pad}" for i in range(40)]  # 4 MiB or a 2.4 MiB listing
+    await _put_many(store, small)
+    await _put_many(store, large, value)
+    await store.put(etcd_prefix + "q", value)  # outside the prefix
+
+    unpaged, revision = await store.get_prefix(prefix)  # one page: 4 MiB is under 256 MiB
+    assert [kv.key for kv in unpaged] == sorted(small + large)
+
+    async with _limited_store(etcd_server, MIB) as limited:
+        assert await limited.get_prefix(prefix) == (unpaged, revision)
+        pages: list[list[KeyValue]] = []
+        async for page, page_revision in limited.iter_prefix(prefix):
+            assert page_revision == revision
+            pages.append(page)
+    assert [kv for page in pages for kv in page] == unpaged
+    assert 4 <= len(pages) < len(unpaged)  # halved where needed, not one key a page
+
+
+async def test_get_prefix_refuses_one_key_over_the_receive_limit(
+    store: Store, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Halving stops at one key: a value over the limit is an error, not a loop."""
+    await store.put(etcd_prefix + "a", b"small")
+    await store.put(etcd_prefix + "b", b"v" * (1200 * KIB))  # etcd takes up to 1.5 MiB
+    async with _limited_store(etcd_server, MIB) as limited:
+        with anyio.fail_after(5), pytest.raises(StoreError, match="one key's page exceeds"):
+            await limited.get_prefix(etcd_prefix)
+
+
+def _split_revisions(batches: list[list[WatchEvent]]) -> set[int]:
+    """Revisions whose events are in more than one batch."""
+    batch_of: dict[int, int] = {}
+    return {
+        event.mod_revision
+        for i, batch in enumerate(batches)
+        for event in batch
+        if batch_of.setdefault(event.mod_revision, i) != i
+    }
+
+
+async def test_watch_catches_up_over_more_than_the_receive_limit(
+    store: Store, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """12 MiB of history comes as one catch-up response, which etcd fragments for us."""
+    _, start = await store.get_prefix(etcd_prefix)
+    keys = [f"{etcd_prefix}{i:02d}" for i in range(12)]
+    for i, key in enumerate(keys):
+        await store.put(key, bytes([65 + i]) * MIB)
+    async with _limited_store(etcd_server, 3 * MIB) as limited:
+        batches = await _first_batches(limited.watch_prefix(etcd_prefix, start + 1), len(keys))
+    events = [event for batch in batches for event in batch]
+    assert [(e.key, e.value) for e in events] == [
+        (key, bytes([65 + i]) * MIB) for i, key in enumerate(keys)
+    ]
+    assert [e.mod_revision for e in events] == list(range(start + 1, start + 1 + len(keys)))
+
+
+async def test_watch_never_splits_a_transaction_that_etcd_fragments(
+    store: Store, etcd_server: EtcdServer, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd cuts fragments between events, inside transactions; batches stay whole."""
+    responses: list[tuple[bool, list[int]]] = []  # per response: fragment flag, revisions
+
+    class Recording:
+        @staticmethod
+        def FromString(raw: bytes) -> Any:
+            decoded = WatchResponse.FromString(raw)
+            if decoded.events:  # a slice of a response's events
+                responses[-1][1].extend(e.kv.mod_revision for e in decoded.events)
+            else:  # a response's other fields: a new response
+                responses.append((decoded.fragment, []))
+            return decoded
+
+    monkeypatch.setattr(store_module, "WatchResponse", Recording)
+    _, start = await store.get_prefix(etcd_prefix)
+    expected: list[str] = []
+    for t in range(8):  # 3 x 400 KiB a transaction, 5 events a 2 MiB fragment: 9.6 MiB
+        puts = [Put(f"{etcd_prefix}{t}/{i}", b"v" * (400 * KIB)) for i in range(3)]
+        await store.txn([Compare.absent(puts[0].key)], puts)
+        expected.extend(put.key for put in puts)
+    reconnects: list[None] = []
+    batches: list[list[WatchEvent]] = []
+    async with _limited_store(etcd_server, 3 * MIB) as limited:
+        limited.on_watch_reconnect = lambda: reconnects.append(None)
+        with anyio.fail_after(10):
+            async with aclosing(limited.watch_prefix(etcd_prefix, start + 1)) as watch:
+                async for batch in watch:
+                    if not batches:  # the stream breaks with part of a revision carried
+                        await anyio.to_thread.run_sync(etcd_server.kill)
+                        await anyio.to_thread.run_sync(etcd_server.start)
+                    batches.append(batch)
+                    if sum(map(len, batches)) >= len(expected):
+                        break
+    assert reconnects  # the kill did cut the stream short (the revision was re-sent)
+    assert [e.key for batch in batches for e in batch] == expected
+    assert not _split_revisions(batches)
+    # etcd did split transactions: a fragment ended inside a revision the next went on with
+    assert any(
+        fragment and revisions and after and revisions[-1] == after[0]
+        for (fragment, revisions), (_, after) in pairwise(responses)
+    )

@@ -22,6 +22,10 @@ Invariants:
   revision order, across etcd restarts: they resume from the last *event*
   revision seen, never from a response header (etcd3aio's own watch does the
   latter and loses events; see ``Store._watch``).
+* Nothing relies on a count of keys fitting the receive limit (values may be
+  1.5 MiB, so 1,000 keys or revisions can exceed any limit we would set): a
+  page that comes back too large is read again in halves, and watches ask
+  etcd to fragment large responses. Only one key, and one fragment, must fit.
 """
 
 from __future__ import annotations
@@ -84,8 +88,11 @@ log = structlog.get_logger(__name__)
 PAGE_SIZE = 1000
 #: Keys per keys-only request that finds where pages end (about 5 MB of keys).
 SCAN_KEYS = 64 * PAGE_SIZE
-#: Largest response we accept: 1000 keys of up to 256 KiB each. grpc's 4 MiB
-#: default is too small for a page of layouts or a watch batch of 1000 revisions.
+#: Largest response we accept by default (``open_store(max_receive_bytes=...)``).
+#: grpc's 4 MiB default is too small for a page of layouts. Bigger pages are
+#: read in halves (``Store._pages``) and watch responses come in fragments of
+#: about etcd's --max-request-bytes + 512 KiB (2 MiB by default), so no size of
+#: value or count of revisions needs more; only one key, and one fragment, must fit.
 MAX_RECEIVE_BYTES = 256 * 1024 * 1024
 #: Watch events converted and handed over at a time (more only to finish a revision).
 WATCH_BATCH = 500
@@ -109,6 +116,12 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.use_local_subchannel_pool", 1),
 ]
 _TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: grpc's own words for a response over ``grpc.max_receive_message_length``
+#: (status RESOURCE_EXHAUSTED, details "Stream removed (CLIENT: Received message
+#: larger than max (10486019 vs. 4194304))" with grpcio 1.85). etcd's own
+#: RESOURCE_EXHAUSTED errors ("too many requests", "database space exceeded")
+#: say something else.
+_TOO_LARGE_DETAILS = "message larger than max"
 _COMPARE_OPS = {"==": 0, ">": 1, "<": 2, "!=": 3}  # etcdserverpb.Compare.CompareResult
 _COMPARE_TARGETS = {"version": 0, "create": 1, "mod": 2, "value": 3}  # Compare.CompareTarget
 
@@ -139,6 +152,13 @@ class WatchCompacted(StoreError):
 
 class _ReadCompacted(StoreError):
     """A read at a fixed revision hit a compaction (``get_prefix`` restarts)."""
+
+
+class _ResponseTooLarge(StoreError):
+    """etcd's answer exceeded our receive limit; the same request will fail again.
+
+    Paged reads catch it and ask for fewer keys; elsewhere it is a plain StoreError.
+    """
 
 
 class SnapshotCompacted(StoreError):
@@ -417,10 +437,30 @@ def _fatal(op: str, exc: BaseException) -> StoreError:
             return LeaseNotFound(f"{op}: {details}")
         if exc.code() == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
             return _ReadCompacted(f"{op}: {details}")
+        if (
+            exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and _TOO_LARGE_DETAILS in details.lower()
+        ):
+            return _ResponseTooLarge(f"{op}: {exc.code().name}: {details}")
         return StoreError(f"{op}: {exc.code().name}: {details}")
     if isinstance(exc, EtcdPermissionDeniedError | EtcdUnauthenticatedError):
         return StoreError(f"{op}: {exc}")
     return StoreError(f"{op}: {type(exc).__name__}: {exc}")
+
+
+def _halved(keys: int, what: str, exc: _ResponseTooLarge) -> int:
+    """How many keys to ask for after ``keys`` came back too large: half, at least one.
+
+    Never loops for ever: each refusal halves ``keys``, and one key fits unless
+    etcd's --max-request-bytes was raised past the receive limit.
+
+    Raises:
+        StoreError: one key alone was too large.
+    """
+    if keys <= 1:
+        raise StoreError(f"one key's {what} exceeds the receive limit: {exc}") from exc
+    log.info("store.range.shrink", what=what, keys=keys // 2, error=str(exc))
+    return keys // 2
 
 
 def _describe(exc: BaseException) -> str:
@@ -559,10 +599,11 @@ class Store:
     async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """All keys under ``prefix`` as of one revision, and that revision.
 
-        Reads pages of :data:`PAGE_SIZE` keys in key order, all at the first
-        page's revision, so the result is one consistent snapshot and a watch
-        started at ``revision + 1`` misses nothing. If that revision is compacted
-        between pages the whole read starts over.
+        Reads pages of up to :data:`PAGE_SIZE` keys in key order (fewer when
+        their values are too large for one response), all at the first page's
+        revision, so the result is one consistent snapshot, the same as one
+        unpaged read, and a watch started at ``revision + 1`` misses nothing.
+        If that revision is compacted between pages the whole read starts over.
         """
         end = _range_end(prefix)
         for _ in range(3):
@@ -606,20 +647,31 @@ class Store:
         Instead one keys-only request per :data:`SCAN_KEYS` keys finds where
         each page ends, and each page is read over exactly its own keys. At a
         fixed revision those ranges hold exactly the keys listed.
+
+        A page (or listing) whose response exceeds the receive limit is asked
+        for again with half as many keys, down to one; the smaller count holds
+        for the rest of this read, since every refused page cost etcd a full
+        read and encoding of it. Nothing is yielded from a refused response,
+        and the revision stays fixed, so the pages are the same keys as ever.
         """
         revision = 0
+        scan_keys, page_keys = SCAN_KEYS, PAGE_SIZE
         while True:
             # sort_order NONE returns keys in key order and lets etcd stop at the
             # limit; asking for ASCEND makes etcd 3.4 read the whole range to sort it.
-            listing = await self._rpc(
-                "KV.Range",
-                self._kv.get,
-                start,
-                end,
-                revision=revision,
-                limit=SCAN_KEYS,
-                keys_only=True,
-            )
+            try:
+                listing = await self._rpc(
+                    "KV.Range",
+                    self._kv.get,
+                    start,
+                    end,
+                    revision=revision,
+                    limit=scan_keys,
+                    keys_only=True,
+                )
+            except _ResponseTooLarge as exc:
+                scan_keys = _halved(scan_keys, "listing", exc)
+                continue
             revision = revision or int(listing.header.revision)
             # Only the page boundaries are read from the listing: copying all 64k keys
             # out of it held the event loop for ~20 ms.
@@ -629,13 +681,19 @@ class Store:
                 yield [], revision
                 return
             last = listed[count - 1].key
-            for first in range(0, count, PAGE_SIZE):
-                after = first + PAGE_SIZE
+            first = 0
+            while first < count:
+                after = min(first + page_keys, count)
                 page_end = listed[after].key if after < count else last + b"\x00"
-                resp = await self._rpc(
-                    "KV.Range", self._kv.get, listed[first].key, page_end, revision=revision
-                )
+                try:
+                    resp = await self._rpc(
+                        "KV.Range", self._kv.get, listed[first].key, page_end, revision=revision
+                    )
+                except _ResponseTooLarge as exc:
+                    page_keys = _halved(after - first, "page", exc)
+                    continue
                 yield [_kv(pb) for pb in resp.kvs], revision
+                first = after
             if not listing.more:
                 return
             start = last + b"\x00"
@@ -780,13 +838,16 @@ class Store:
         Every event after ``start_revision`` arrives exactly once and in order,
         even across etcd restarts and dropped connections: a new stream resumes
         from the revision after the last *event* delivered. Events of one
-        revision are never split across batches. Close the generator
+        revision are never split across batches, even where etcd splits them
+        across response fragments. Close the generator
         (``contextlib.aclosing``) to stop early.
 
         Raises:
             WatchCompacted: ``start_revision`` (or the revision a reconnect
                 resumes from) is compacted; reload with ``get_prefix``.
-            StoreError: etcd cancelled the watch for another reason.
+            StoreError: etcd cancelled the watch for another reason, or sent a
+                response over the receive limit (one event or fragment that
+                big, or an etcd before 3.4, which does not fragment).
         """
         return self._watch(
             prefix.encode(), _range_end(prefix), start_revision, _watch_events, _revision
@@ -820,6 +881,14 @@ class Store:
         # up to 1001), and its never-ending request generator leaves a pending
         # grpc task behind on every reconnect. We drive the stream ourselves
         # (write the create request, then read) and resume from our own revision.
+        #
+        # A catching-up response holds up to 1000 revisions of any size (300 MB of
+        # 300 KiB values), over any receive limit, so we ask for ``fragment``:
+        # etcd (3.4 on) then sends a response larger than its --max-request-bytes
+        # + 512 KiB as consecutive fragments, all flagged but the last, cut between
+        # *events*, not revisions. A revision's events may thus span fragments;
+        # they are carried over like those of two slices of one fragment, and a
+        # stream that breaks mid-revision resumes at that revision.
         if start_revision < 1:
             raise ValueError("start_revision must be >= 1 (0 would mean 'from now')")
         next_revision = start_revision
@@ -831,10 +900,17 @@ class Store:
                 await call.write(
                     WatchRequest(
                         create_request=WatchCreateRequest(
-                            key=key, range_end=range_end, start_revision=next_revision
+                            key=key,
+                            range_end=range_end,
+                            start_revision=next_revision,
+                            fragment=True,
                         )
                     )
                 )
+                # Events of the last revision seen, not yet complete. Never more than
+                # one revision; etcd never sends an empty fragment, so the last one
+                # of a response always completes (and delivers) them.
+                carried: list[_E] = []
                 while (raw := await call.read()) is not grpc.aio.EOF:
                     failures = 0
                     # A catching-up response holds up to 1000 revisions (128k events of
@@ -853,7 +929,6 @@ class Store:
                         raise WatchCompacted(int(head.compact_revision))
                     if head.canceled:
                         raise StoreError(f"watch cancelled by etcd: {head.cancel_reason}")
-                    carried: list[_E] = []
                     while pos < len(raw):
                         try:
                             end = _skip_fields(raw, pos, WATCH_BATCH)
@@ -863,7 +938,8 @@ class Store:
                         pos = end
                         batch = carried + convert(part)
                         carried = []
-                        if pos < len(raw):  # the last revision may go on in the next slice
+                        # the last revision may go on in the next slice or fragment
+                        if pos < len(raw) or head.fragment:
                             cut, last = len(batch), revision_of(batch[-1])
                             while cut > 0 and revision_of(batch[cut - 1]) == last:
                                 cut -= 1
@@ -1016,6 +1092,7 @@ async def open_store(
     timeout: float = 5.0,  # noqa: ASYNC109 - per-request setting, not a call timeout
     retry_for: float = 5.0,
     clock: Callable[[], float] = anyio.current_time,
+    max_receive_bytes: int = MAX_RECEIVE_BYTES,
 ) -> AsyncIterator[Store]:
     """Open a :class:`Store` on etcd's client URLs; close it on exit.
 
@@ -1027,6 +1104,8 @@ async def open_store(
         endpoints: ``http://host:port`` or ``https://host:port`` URLs.
         ca_file: PEM CA bundle for https; None = grpc's default roots.
         cert_file, key_file: client certificate and key for mutual TLS.
+        max_receive_bytes: the largest response accepted; must exceed one key
+            and one watch fragment (etcd's --max-request-bytes + 512 KiB).
 
     Raises:
         ValueError: malformed endpoints or half a certificate pair.
@@ -1037,6 +1116,10 @@ async def open_store(
         raise ValueError("cert_file and key_file go together")
     if (username is None) != (password is None):
         raise ValueError("username and password go together")
+    options = [
+        (name, max_receive_bytes if name == "grpc.max_receive_message_length" else value)
+        for name, value in _CHANNEL_OPTIONS
+    ]
     if tls:
         ca, cert, key = [
             None if path is None else await anyio.Path(path).read_bytes()
@@ -1045,10 +1128,10 @@ async def open_store(
         creds: grpc.ChannelCredentials | None = grpc.ssl_channel_credentials(
             root_certificates=ca, private_key=key, certificate_chain=cert
         )
-        channel = grpc.aio.secure_channel(target, creds, options=_CHANNEL_OPTIONS)
+        channel = grpc.aio.secure_channel(target, creds, options=options)
     else:
         creds = None
-        channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        channel = grpc.aio.insecure_channel(target, options=options)
     credentials = None if username is None or password is None else (username, password)
     store = Store(
         channel,
