@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
-import time
 import uuid
 from pathlib import Path
 from types import MappingProxyType
@@ -97,15 +97,17 @@ async def test_kafka_down_never_blocks_publish() -> None:
         kafka_bootstrap=f"127.0.0.1:{free_port()}", topic="decisions", buffer_size=100
     )
     metrics = Metrics()
-    async with open_audit(settings, metrics.audit_messages, close_timeout=0.5) as sink:
-        started = time.perf_counter()
-        for n in range(5000):
-            sink.publish(_record("t/ns/a", n))
-        assert time.perf_counter() - started < 0.5  # ~10 µs each, never a network wait
-        assert _count(metrics, "dropped") == 4900  # the oldest beyond the buffer
-        await anyio.sleep(0.3)  # the sender is failing to connect meanwhile
-        closing = time.monotonic()
-    assert time.monotonic() - closing < 0.5 + 1.0 + 0.5  # flush + producer stop + slack
+    # A hang guard, not a timing: the close is bounded by close_timeout (0.5 s) plus
+    # the producer's stop; a wall-clock bound on either failed on a loaded CI host.
+    with anyio.fail_after(30):
+        async with open_audit(settings, metrics.audit_messages, close_timeout=0.5) as sink:
+            # publish is plain synchronous code: it cannot wait on the network, and
+            # beyond the buffer it drops the oldest rather than wait for room.
+            assert not inspect.iscoroutinefunction(sink.publish)
+            for n in range(5000):
+                sink.publish(_record("t/ns/a", n))
+            assert _count(metrics, "dropped") == 4900  # the oldest beyond the buffer
+            await anyio.sleep(0.3)  # the sender is failing to connect meanwhile
     assert _count(metrics, "dropped") == 5000  # the buffered 100 at close
     assert _count(metrics, "sent") == 0
 

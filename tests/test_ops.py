@@ -8,7 +8,6 @@ import logging
 import logging.config
 import signal
 import socket
-import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -111,14 +110,15 @@ async def test_serving_leaves_signals_alone_and_stops_on_cancel(
 ) -> None:
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     app = make_ops_app(metrics, controller.status, controller.ready)
-    async with anyio.create_task_group() as tg:
-        port = await tg.start(serve_ops, app, "127.0.0.1", 0)
-        async with httpx.AsyncClient() as client:  # keeps an idle keep-alive connection
-            assert (await client.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
-            assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
-            started = time.monotonic()
-            tg.cancel_scope.cancel()
-    assert time.monotonic() - started < 2.0
+    # A hang guard, not a timing (a wall-clock bound fails on a loaded host): the
+    # server must stop on cancel although a client holds a keep-alive connection.
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(serve_ops, app, "127.0.0.1", 0)
+            async with httpx.AsyncClient() as client:  # keeps an idle keep-alive connection
+                assert (await client.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
+                assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+                tg.cancel_scope.cancel()
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         pass
