@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from array import array
+from typing import cast
 
 import orjson
-from hypothesis import given
+import pytest
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from controllerd.core.layout import initial_layout, merge, split
 from controllerd.core.model import (
     LoadSample,
+    PlainLoad,
     Rates,
     TopicName,
     layout_to_json,
@@ -20,6 +24,7 @@ from controllerd.core.model import (
 )
 from controllerd.core.policy import TopicHistory
 from controllerd.core.view import (
+    _INDEX_AT,
     UNKNOWN_TYPE,
     Change,
     Cooldown,
@@ -311,6 +316,212 @@ def test_a_plain_pulsar_record_is_packed_not_kept_as_an_object() -> None:
     assert table[5].rise == 0.5 and list(table._extra) == [3, 5]
     table.put(7, LoadSample(Rates(1.0, 2.0, 3.0, 4.0), 5, None, merged=4), 101)
     assert table[7].merged == 4 and list(table._extra) == [3, 5, 7]
+
+
+# -- the table's two forms of ids: an array while small, a dict id -> slot past _INDEX_AT
+
+_SPAN = 2 * _INDEX_AT + 40
+"""Ids the model test draws from: enough rows to cross _INDEX_AT both ways."""
+_rate = st.floats(0, 1e12, allow_nan=False)
+_plain_loads = st.tuples(_rate, _rate, _rate, _rate, _ms, st.none() | _ms)
+_JSON_VALUES = (
+    load_bytes(1.0),  # plain, unstamped: changed when first seen
+    load_bytes(2.0, sampledAtMs=NOW - 5),
+    load_bytes(3.0, changedAtMs=NOW - 9, sampledAtMs=NOW - 2),
+    load_bytes(4.0, flipflops=2),  # an extension: not plain, put_json declines it
+    b"{",
+)
+_run = st.tuples(st.integers(_INDEX_AT // 4, _INDEX_AT + 40), st.integers(1, 3))  # count, step
+_model_ops = st.lists(
+    st.tuples(
+        st.one_of(
+            st.tuples(st.just("put"), _samples),
+            st.tuples(st.just("put_plain"), _plain_loads),
+            st.tuples(st.just("put_json"), st.sampled_from(_JSON_VALUES)),
+            st.tuples(st.just("fill"), _run),  # put_plain over a run of ids
+            st.tuples(st.just("fill"), _run),  # (twice: runs and relayouts are the point)
+            st.tuples(st.just("drain"), _run),  # remove a run of ids
+            st.tuples(st.just("relayout"), st.integers(0, _INDEX_AT)),  # keeps ids below it
+            st.tuples(st.just("relayout"), st.integers(0, _INDEX_AT)),
+            st.tuples(st.just("remove"), st.none()),
+            st.tuples(st.just("set_cold"), st.none() | _ms),
+            st.tuples(st.just("read"), st.none()),
+        ),
+        st.integers(0, _SPAN - 1),
+        st.integers(0, 3),  # a revision: often the same one again, as a reload replays it
+    ),
+    min_size=5,
+    max_size=60,
+)
+
+
+@dataclasses.dataclass
+class _Record:
+    """The model's row: what the table must give back for one segment."""
+
+    sample: LoadSample
+    revision: int
+    cold: int | None = None
+
+
+def _plain_sample(load: PlainLoad) -> LoadSample:
+    a, b, c, d, changed, sampled = load
+    return LoadSample(Rates(a, b, c, d), changed, sampled)
+
+
+def _check_reads(table: LoadTable, model: dict[int, _Record], sid: int) -> None:
+    """Every one-segment read of the table agrees with the model."""
+    record = model.get(sid)
+    assert (sid in table) is (record is not None)
+    if record is None:
+        assert table.revision(sid) is None and table.cold(sid) is None
+        assert table.peek(sid) is None
+        assert table.get(sid) is None  # Mapping.get: table[sid] raised KeyError
+        return
+    s = record.sample
+    assert table.revision(sid) == record.revision and table.cold(sid) == record.cold
+    assert table.peek(sid) == (s.rates.as_tuple(), s.changed_at_ms, s.sampled_at_ms, record.cold)
+    assert table[sid] == s
+
+
+def _check_form(table: LoadTable) -> None:
+    """The invariants of the two forms of ids (see LoadTable's docstring)."""
+    ids, rows = table._ids, len(table._revisions)
+    assert len(table._rows) == rows * 7
+    if isinstance(ids, dict):
+        slots = list(ids.values())
+        assert slots == sorted(set(slots)) and slots[-1] < rows  # distinct, in slot order
+        assert len(ids) > _INDEX_AT // 2 and rows - len(ids) <= len(ids)
+    else:
+        assert len(ids) == rows <= _INDEX_AT
+
+
+def _apply(
+    table: LoadTable, model: dict[int, _Record], op: tuple[str, object], sid: int, rev: int
+) -> None:
+    """One operation on both the table and the model; checks what it answers."""
+    name, arg = op
+    if name == "put":
+        assert isinstance(arg, LoadSample)
+        table.put(sid, arg, rev)
+        cold = model[sid].cold if sid in model else None
+        model[sid] = _Record(arg, rev, cold)
+    elif name in ("put_plain", "fill"):
+        assert isinstance(arg, tuple)
+        load: PlainLoad = (1.0, 2.0, 3.0, float(sid), NOW, None)
+        sids = range(sid, sid + 1)
+        if name == "fill":
+            count, step = arg
+            sids = range(sid, sid + count * step, step)
+        else:
+            load = cast(PlainLoad, arg)
+        for each in sids:
+            table.put_plain(each, load, rev)
+            cold = model[each].cold if each in model else None
+            model[each] = _Record(_plain_sample(load), rev, cold)
+    elif name == "put_json":
+        assert isinstance(arg, bytes)
+        now = NOW + 1_000 * rev
+        record = model.get(sid)
+        plain = None
+        if record is not None:
+            seen = record.sample.changed_at_ms if record.revision == rev else now
+            plain = plain_load_json(arg, seen)
+        assert table.put_json(sid, arg, rev, now) is (plain is not None)
+        if record is not None and plain is not None:
+            model[sid] = _Record(_plain_sample(plain), rev, record.cold)
+    elif name == "relayout":  # as a new layout drops the records of ids it lacks
+        assert isinstance(arg, int)
+        for each in [s for s in table if s >= arg]:
+            table.remove(each)
+        for each in [s for s in model if s >= arg]:
+            del model[each]
+    elif name in ("remove", "drain"):
+        count, step = arg if isinstance(arg, tuple) else (1, 1)
+        for each in range(sid, sid + count * step, step):
+            table.remove(each)
+            model.pop(each, None)
+    elif name == "set_cold":
+        assert arg is None or isinstance(arg, int)
+        table.set_cold(sid, arg)
+        if sid in model:
+            model[sid].cold = arg
+    _check_reads(table, model, sid)
+    _check_form(table)
+    assert len(table) == len(model) and list(table) == list(model)  # the same order
+
+
+@given(_model_ops)
+@example(  # up into a dict, compacted into a smaller dict, then into an array
+    [
+        (("fill", (104, 1)), 0, 1),
+        (("set_cold", NOW - 7), 150, 1),
+        (("fill", (104, 1)), 104, 2),
+        (("drain", (104, 1)), 0, 3),
+        (("put_json", _JSON_VALUES[1]), 150, 2),
+        (("drain", (3, 1)), 104, 3),
+        (("read", None), 150, 0),
+        (("relayout", 10), 0, 0),
+        (("read", None), 150, 0),
+    ]
+)
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+def test_a_load_table_of_any_size_agrees_with_a_dict(
+    ops: list[tuple[tuple[str, object], int, int]],
+) -> None:
+    """Through any puts (full, plain, from bytes), removals and cold-since changes, the
+    table answers every read as a dict of records would, in the dict's order, while
+    runs of ids take it past _INDEX_AT rows (ids into a dict) and back (an array)."""
+    table = LoadTable()
+    model: dict[int, _Record] = {}
+    for op, sid, rev in ops:
+        _apply(table, model, op, sid, rev)
+    for sid in range(_SPAN + 3 * (_INDEX_AT + 40)):
+        _check_reads(table, model, sid)
+    assert table.samples() == {sid: r.sample for sid, r in model.items()}
+    assert list(table.samples()) == list(model)
+    assert table.colds() == {sid: r.cold for sid, r in model.items() if r.cold is not None}
+    assert list(table.items()) == [(sid, r.sample) for sid, r in model.items()]
+
+
+def test_a_table_indexes_its_ids_only_past_the_threshold_and_drops_them_back() -> None:
+    """A topic's usual table stays as compact as ever (issue #12); one holding records
+    for unknown ids gets the dict, leaves dead rows behind its removals (no shifting,
+    no index rewritten), and compacts them once they outnumber the live ones."""
+    table = LoadTable()
+    for sid in range(_INDEX_AT):
+        table.put_plain(sid, (1.0, 2.0, 3.0, 4.0, NOW, None), sid)
+    assert isinstance(table._ids, array)
+    table.put_plain(1_000, (1.0, 2.0, 3.0, 4.0, NOW, None), 7)
+    assert isinstance(table._ids, dict) and table._ids[1_000] == _INDEX_AT
+    table.set_cold(1_000, NOW - 1)
+    for sid in range(0, _INDEX_AT, 2):  # half of them: dead rows stay
+        table.remove(sid)
+    assert isinstance(table._ids, dict) and len(table._revisions) == _INDEX_AT + 1
+    assert table.cold(1_000) == NOW - 1 and table.revision(1_000) == 7
+    table.remove(1)  # now dead ones outnumber live ones: compacted, back to an array
+    assert isinstance(table._ids, array) and len(table._revisions) == len(table) == _INDEX_AT // 2
+    assert list(table) == [*range(3, _INDEX_AT, 2), 1_000]
+    assert table.cold(1_000) == NOW - 1 and table.peek(1_000) is not None
+    assert table.revision(1_000) == 7 and table.colds() == {1_000: NOW - 1}
+
+
+def test_a_table_in_either_form_refuses_an_id_past_64_bits() -> None:
+    """The dict form refuses (and normalises) ids as the array form does."""
+    small, large = LoadTable(), LoadTable()
+    for sid in range(100, 101 + _INDEX_AT):
+        large.put_plain(sid, (1.0, 2.0, 3.0, 4.0, NOW, None), sid)
+    assert isinstance(large._ids, dict)
+    for table in (small, large):
+        before = list(table)
+        for bad in (2**63, -(2**63) - 1):
+            with pytest.raises(OverflowError):
+                table.put_plain(bad, (1.0, 2.0, 3.0, 4.0, NOW, None), 1)
+        with pytest.raises(TypeError):
+            table.put_plain(1.5, (1.0, 2.0, 3.0, 4.0, NOW, None), 1)  # type: ignore[arg-type]
+        assert list(table) == before
+        table.put_plain(True, (1.0, 2.0, 3.0, 4.0, NOW, None), 1)  # stored as 1
+        assert list(table) == [*before, 1] and type(list(table)[-1]) is int
 
 
 _RECORD_KEYS = (

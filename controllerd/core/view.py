@@ -34,6 +34,7 @@ Keys (DESIGN §3), ``M`` = metadata prefix, ``C`` = controller root::
 from __future__ import annotations
 
 import math
+import operator
 import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -241,10 +242,38 @@ _STRIDE: Final = 7
 """Doubles per segment row: msg in, byte in, msg out, byte out, changed ms, sampled ms,
 and the cold-since the controller holds in memory for the segment (NaN: none)."""
 _COLD: Final = 6
+_INDEX_AT: Final = 64
+"""Rows past which a :class:`LoadTable` keeps its ids in a dict (id -> slot) instead
+of an array, so a lookup stops scanning them. Topics have 1 to 64 segments and keep
+the array (8 bytes an id); a topic past it holds records for ids its layout does not
+have, kept until its next layout (tens of thousands took 42 s to load, scanned)."""
 
 
 Peek = tuple[tuple[float, float, float, float], int, int | None, int | None]
 """The four rates, changed ms, sampled ms and held cold-since ms of one record."""
+
+
+class _Index(dict[int, int]):
+    """A large :class:`LoadTable`'s ids: id -> slot, in ascending slot order. It
+    answers what the small tables' ``array('q')`` of ids answers (``index``,
+    ``tolist``), so a lookup takes no branch on the form and costs a small table
+    nothing more than it did."""
+
+    __slots__ = ()
+
+    def index(self, segment_id: int) -> int:
+        """The slot of ``segment_id``; ValueError without one, as ``array.index``."""
+        slot = self.get(segment_id, -1)
+        if slot < 0:
+            raise ValueError(segment_id)
+        return slot
+
+    def tolist(self) -> list[int]:
+        return list(self)
+
+    def slots(self) -> Iterator[tuple[int, int]]:
+        """(slot, id) of every live row, in slot order (as ``enumerate`` of an array)."""
+        return zip(self.values(), self, strict=True)
 
 
 class LoadTable(Mapping[int, LoadSample]):
@@ -260,12 +289,26 @@ class LoadTable(Mapping[int, LoadSample]):
     Each row also carries the cold-since the controller derived for the
     segment and holds in memory (:meth:`cold`, :meth:`set_cold`); a new
     record for the segment keeps it.
+
+    The ids take one of two forms, and every public behaviour is the same in both:
+
+    * at most :data:`_INDEX_AT` rows: an ``array('q')`` holding the id of slot ``i``
+      at ``i`` (8 bytes a row, no dict: a lookup scans it);
+    * more: a dict id -> slot, whose order is ascending slot order (a lookup is
+      O(1)). A removed row stays in the arrays, unreferenced, until the dead rows
+      outnumber the live ones; they are then compacted away in one pass, live
+      rows kept in order, back into the array form at or under :data:`_INDEX_AT`
+      rows. So dead rows never outnumber live ones, a dict-form table holds more
+      than half :data:`_INDEX_AT` live rows, and each operation is O(1) amortised.
+
+    Either way ids iterate in slot order: the order they were first put since they
+    were last removed.
     """
 
     __slots__ = ("_extra", "_ids", "_revisions", "_rows")
 
     def __init__(self) -> None:
-        self._ids = array("q")
+        self._ids: array[int] | _Index = array("q")
         self._rows = array("d")
         self._revisions = array("q")
         self._extra: dict[int, LoadSample] | None = None
@@ -309,9 +352,18 @@ class LoadTable(Mapping[int, LoadSample]):
         a, b, c, d, changed, sampled = load
         changed_at, sampled_at = float(changed), _NAN if sampled is None else float(sampled)
         if slot < 0:
-            self._ids.append(segment_id)
-            self._rows.extend((a, b, c, d, changed_at, sampled_at, _NAN))
-            self._revisions.append(revision)
+            ids = self._ids
+            if isinstance(ids, _Index):
+                key, slot = _as_id(segment_id), len(self._revisions)
+                self._rows.extend((a, b, c, d, changed_at, sampled_at, _NAN))
+                self._revisions.append(revision)
+                ids[key] = slot
+            else:
+                ids.append(segment_id)
+                self._rows.extend((a, b, c, d, changed_at, sampled_at, _NAN))
+                self._revisions.append(revision)
+                if len(ids) > _INDEX_AT:
+                    self._ids = _Index(zip(ids, range(len(ids)), strict=True))
         else:
             rows, base = self._rows, slot * _STRIDE
             rows[base] = a
@@ -363,14 +415,38 @@ class LoadTable(Mapping[int, LoadSample]):
         )
 
     def remove(self, segment_id: int) -> None:
-        slot = self._slot(segment_id)
-        if slot < 0:
-            return
-        del self._ids[slot]
-        del self._rows[slot * _STRIDE : (slot + 1) * _STRIDE]
-        del self._revisions[slot]
+        """Forget a segment's record; later slots shift down (array form), or its row is
+        left dead until :meth:`_compact` (dict form: no shifting, no rewritten index)."""
+        ids = self._ids
+        if isinstance(ids, _Index):
+            if ids.pop(segment_id, -1) < 0:
+                return
+            if 2 * len(ids) < len(self._revisions):  # dead rows outnumber live ones
+                self._compact(ids)
+        else:
+            slot = self._slot(segment_id)
+            if slot < 0:
+                return
+            del ids[slot]
+            del self._rows[slot * _STRIDE : (slot + 1) * _STRIDE]
+            del self._revisions[slot]
         if self._extra is not None:
             self._extra.pop(segment_id, None)
+
+    def _compact(self, ids: _Index) -> None:
+        """Drop the dead rows of a dict-form table, keeping the live ones in slot order;
+        back to the array form when the live rows fit it."""
+        rows, revisions = self._rows, self._revisions
+        kept_rows, kept_revisions = array("d"), array("q")
+        for slot in ids.values():  # ascending: the dict's order is slot order
+            base = slot * _STRIDE
+            kept_rows.extend(rows[base : base + _STRIDE])
+            kept_revisions.append(revisions[slot])
+        self._rows, self._revisions = kept_rows, kept_revisions
+        if len(ids) > _INDEX_AT:
+            self._ids = _Index(zip(ids, range(len(ids)), strict=True))
+        else:
+            self._ids = array("q", ids)
 
     def __getitem__(self, segment_id: int) -> LoadSample:
         slot = self._slot(segment_id)
@@ -389,7 +465,7 @@ class LoadTable(Mapping[int, LoadSample]):
         )
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._ids.tolist())
+        return iter(self._ids.tolist())  # a copy: the caller may remove as it goes
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -414,21 +490,30 @@ class LoadTable(Mapping[int, LoadSample]):
     def samples(self) -> dict[int, LoadSample]:
         """Every record as a :class:`LoadSample`, built once (for one evaluation), in one
         pass over the rows (an evaluation's hottest read)."""
-        extra = self._extra
+        extra, ids = self._extra, self._ids
         return {
             sid: extra[sid] if extra is not None and sid in extra else self._row(slot)
-            for slot, sid in enumerate(self._ids)
+            for slot, sid in (ids.slots() if isinstance(ids, _Index) else enumerate(ids))
         }
 
     def colds(self) -> dict[int, int]:
         """Every cold-since held in memory, by segment (see :meth:`cold`), in one pass."""
-        rows = self._rows
+        rows, ids = self._rows, self._ids
         out: dict[int, int] = {}
-        for slot, sid in enumerate(self._ids):
+        for slot, sid in ids.slots() if isinstance(ids, _Index) else enumerate(ids):
             value = rows[slot * _STRIDE + _COLD]
             if not math.isnan(value):
                 out[sid] = int(value)
         return out
+
+
+def _as_id(segment_id: int) -> int:
+    """``segment_id`` as an ``array('q')`` stores it (``True`` is 1): the dict form
+    refuses (TypeError, OverflowError) what the array form refuses."""
+    key = operator.index(segment_id)
+    if not -_LONG_MAX - 1 <= key <= _LONG_MAX:
+        raise OverflowError(f"segment id {key} does not fit in 64 bits")
+    return key
 
 
 def _needs_extra(sample: LoadSample) -> bool:
