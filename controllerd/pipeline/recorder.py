@@ -246,7 +246,7 @@ class Recorder:
             try:
                 if compacted:
                     revision = await self._snapshot(store, sink, after=revision)
-                    compacted = False
+                    compacted, failures = False, 0
                 async with aclosing(store.watch_prefix(prefix, revision + 1)) as batches:
                     async for batch in batches:
                         failures = 0

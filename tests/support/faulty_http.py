@@ -92,6 +92,10 @@ class FaultyHttp:
     url: str = ""
     #: Requests currently held open by a ``hang`` rule.
     holding: int = 0
+    #: When each held request's client gave up (its connection closed), by the
+    #: request's arrival time: where a client's own timeout really ended, on a host
+    #: too loaded for "arrival + timeout" to say.
+    released: dict[float, float] = field(default_factory=dict)
     gate: Gate | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -176,6 +180,7 @@ class _App:
                 await _wait_for_disconnect(receive)
             finally:
                 state.holding -= 1
+                state.released[at] = time.monotonic()
             return
         if fault is not None:
             record(fault.status, True)
