@@ -13,17 +13,14 @@ Usage: python -m bench.bigvalues_bench [--keys 1000] [--value-kib 300]
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import aclosing
-from pathlib import Path
 
 import anyio
 
 from controllerd.adapters.store import MAX_RECEIVE_BYTES, Store, open_store
-from tests.support.etcd import EtcdServer
+from tests.support.etcd import scratch_etcd
 
 PREFIX = "/bench/big/"
 
@@ -64,10 +61,7 @@ async def catch_up(store: Store, start: int, keys: int) -> tuple[int, int, float
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    root = Path(tempfile.mkdtemp(prefix="controllerd-bigvalues-"))
-    etcd = EtcdServer(root / "etcd")
-    etcd.start()
-    try:
+    with scratch_etcd("controllerd-bigvalues-") as (_, etcd):
         async with open_store([etcd.endpoint], timeout=120.0, retry_for=30.0) as store:
             value_bytes = args.value_kib * 1024
             started = time.monotonic()
@@ -85,9 +79,6 @@ async def main_async(args: argparse.Namespace) -> None:
             )
             events, batches, seconds = await catch_up(store, before + 1, args.keys)
             print(f"watch catch-up: {events} events in {batches} batches, {seconds:.1f} s")
-    finally:
-        etcd.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

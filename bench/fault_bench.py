@@ -41,11 +41,9 @@ import itertools
 import math
 import random
 import re
-import shutil
 import signal
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -73,7 +71,7 @@ from tests.faults.chaos import (
 )
 from tests.faults.poison import KINDS, NEVER_REJECTED, Poison, poison_key, poison_values
 from tests.support.daemon import Replica, wait_until
-from tests.support.etcd import EtcdServer
+from tests.support.etcd import EtcdServer, scratch_etcd
 
 REJECTED = "controllerd_metadata_rejected_total"
 _SPLIT = re.compile(r"^/admin/v2/scalable/([^/]+)/([^/]+)/([^/]+)/split/(\d+)$")
@@ -653,17 +651,11 @@ SECTIONS = {
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    root = Path(tempfile.mkdtemp(prefix="controllerd-fault-bench-"))
-    etcd = EtcdServer(root / "etcd")
-    etcd.start()
     rows: list[Row] = []
-    try:
+    with scratch_etcd("controllerd-fault-bench-") as (root, etcd):
         async with open_store([etcd.endpoint], timeout=2.0, retry_for=30.0) as store:
             for name in args.sections:
                 rows.extend(await SECTIONS[name](args, store, etcd, root / name))
-    finally:
-        etcd.close()
-        shutil.rmtree(root, ignore_errors=True)
     print()
     print("| what | target | measured |")
     print("|---|---|---|")

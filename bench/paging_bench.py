@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import anyio
 
 from controllerd.adapters import store as store_module
 from controllerd.adapters.store import Store, open_store
 from controllerd.core.view import Keys
-from tests.support.etcd import EtcdServer
+from tests.support.etcd import scratch_etcd
 from tests.support.populate import populate, topic_names
 
 
@@ -44,11 +41,8 @@ async def read_all(store: Store, prefix: str, limit_s: float) -> tuple[int, int,
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    root = Path(tempfile.mkdtemp(prefix="controllerd-paging-"))
     os.environ["ETCD_QUOTA_BACKEND_BYTES"] = str(8 << 30)  # etcd reads its flags from env
-    etcd = EtcdServer(root / "etcd")
-    etcd.start()
-    try:
+    with scratch_etcd("controllerd-paging-") as (_, etcd):
         async with open_store([etcd.endpoint], timeout=60.0, retry_for=30.0) as store:
             keys = Keys("/bench/pulsar", "/bench/controllerd/default")
             done = await populate(store, keys, topic_names(args.topics))
@@ -63,9 +57,6 @@ async def main_async(args: argparse.Namespace) -> None:
                 took = f"{seconds:.2f} s" if seconds is not None else f"> {timeout:.0f} s (cut off)"
                 print(f"{label:34} {n:>9} keys {pages:>6} pages  {took}")
             store_module.SCAN_KEYS = shipped
-    finally:
-        etcd.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

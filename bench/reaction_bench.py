@@ -15,13 +15,10 @@ Usage: python -m bench.reaction_bench [--topics 50] [--rounds 3] [--ttl 10]
 from __future__ import annotations
 
 import argparse
-import shutil
 import signal
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import anyio
 
@@ -30,7 +27,7 @@ from controllerd.core.model import TopicName
 from controllerd.core.view import Keys
 from tests.support.broker import TestBrokerState, layout_json, mirror_into, serve_test_broker
 from tests.support.daemon import Replica, replicas, wait_until
-from tests.support.etcd import EtcdServer
+from tests.support.etcd import scratch_etcd
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -95,10 +92,7 @@ async def _anyone_leads(replica_set: list[Replica]) -> bool:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    root = Path(tempfile.mkdtemp(prefix="controllerd-bench-"))
-    etcd = EtcdServer(root / "etcd")
-    etcd.start()
-    try:
+    with scratch_etcd("controllerd-bench-") as (root, etcd):
         async with open_store([etcd.endpoint]) as store:
             keys = Keys("/bench/pulsar", "/bench/controllerd/default")
             state = TestBrokerState(profile="reference")
@@ -142,9 +136,6 @@ async def main_async(args: argparse.Namespace) -> None:
                             f"n={len(ms)} median={statistics.median(ms):.0f} ms "
                             f"max={max(ms):.0f} ms"
                         )
-    finally:
-        etcd.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,7 @@ for modules that do not mind.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -263,6 +264,21 @@ class EtcdServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+@contextlib.contextmanager
+def scratch_etcd(prefix: str) -> Iterator[tuple[Path, EtcdServer]]:
+    """A fresh etcd of its own in a new temporary directory, and that directory
+    (the benches': their numbers must not depend on what a shared one holds); both
+    are gone after."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    etcd = EtcdServer(root / "etcd")
+    try:
+        etcd.start()
+        yield root, etcd
+    finally:
+        etcd.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 class _Shared:
