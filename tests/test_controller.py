@@ -20,9 +20,10 @@ from controllerd.adapters.election import Leadership, current_leader, lead
 from controllerd.adapters.store import Delete, KeyValue, Put, Store, open_store
 from controllerd.core.layout import initial_layout, prune, split
 from controllerd.core.model import Decision, Layout, PolicySettings, TopicName, layout_from_json
-from controllerd.core.view import Keys, LoadTable, TopicState
+from controllerd.core.view import Change, Keys, LoadTable, MetadataView, TopicState
 from controllerd.daemon import controller as controller_module
 from controllerd.daemon.controller import Controller
+from controllerd.daemon.metrics import Metrics
 from tests.support.broker import layout_json
 from tests.support.etcd import EtcdServer
 from tests.support.harness import TOPIC, Harness, eventually, make_config, open_harness
@@ -598,6 +599,47 @@ class HeldBacklogs:
             raise
         finally:
             self.in_flight -= 1
+
+
+async def test_a_subscription_known_only_through_consumers_that_left_holds_no_gc_back(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A consumer registered under a subscription with no key of its own, then left:
+    the view kept an empty set for the subscription, GC asked its backlog (the broker
+    has no such subscription: 404, unknown), and the topic was never pruned again."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix, extra_config=AT_ONCE) as h:
+        layout = await _sealed_roots(h, roots=1, subscriptions=1)
+        key = h.keys.consumer(TOPIC, "keyless", "c1")
+        await h.store.put(key, b"{}")
+        state = h.controller.view.topics[TOPIC]
+        await eventually(lambda: state.consumer_counts().get("keyless") == 1)
+        await h.store.delete(key)
+        await eventually(lambda: not state.consumer_counts().get("keyless"))
+        await h.controller.gc_round()
+        assert h.requests("subscription/keyless") == 0
+        assert _sealed_roots_pruned(layout, await _stored_segments(h))
+
+
+async def test_a_deleted_topic_leaves_no_scope_cached_in_sharded_mode(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """Forgetting a deleted topic asked its scope, which cached it again: in sharded
+    mode one entry stayed for every topic ever deleted."""
+    async with open_harness(etcd_server.endpoint, etcd_prefix) as h:
+        sharded = Controller(
+            config=lambda: h.config,
+            store=h.store,
+            broker=h.broker,
+            view=MetadataView(h.keys),
+            metrics=Metrics(),
+            audit=AuditSink(),
+            clock=h.clock,
+            replica="sharded",
+            shards=16,
+        )
+        for n in range(100):
+            sharded.note(Change("layout", TopicName("acme", "ns", f"gone-{n}"), False))
+        assert sharded._scope_cache == {}
 
 
 def _failed_call(message: str, kind: type[BrokerError] = BrokerUnavailable) -> BrokerError:

@@ -92,6 +92,49 @@ def test_consumer_registration_triggers_and_counts_per_subscription() -> None:
     assert view.topics[T].consumer_counts()["s"] == 1
 
 
+def test_consumers_that_came_and_went_leave_no_subscription_behind() -> None:
+    """A subscription without a key of its own is known through its consumers; once
+    they left, an empty set stayed for ever, and GC kept asking that subscription's
+    backlog (404: unknown, never drained) and kept every segment of the topic."""
+    view = fresh()
+    view.apply_put(KEYS.subscription(T, "s"), b'{"type": "STREAM"}', 11, NOW)
+    for n, sub in enumerate(("s", "keyless", "keyless")):
+        view.apply_put(KEYS.consumer(T, sub, f"c{n}"), b"{}", 12 + n, NOW)
+    for n, sub in enumerate(("s", "keyless", "keyless")):
+        view.apply_delete(KEYS.consumer(T, sub, f"c{n}"))
+    state = view.topics[T]
+    assert state.consumers == {}
+    assert set(state.subscriptions) == {"s"}  # its own key keeps it
+    assert state.consumer_counts() == {}
+
+
+def test_a_topic_whose_last_key_goes_leaves_nothing_behind() -> None:
+    """A topic is made by any of its keys; only a layout's delete removed it. A load
+    record written after its layout's delete (a reporter's late write), or a
+    registration, kept a topic in the view for ever once deleted too, and a refused
+    load record made one that no delete could remove."""
+    view = fresh()
+    view.apply_delete(KEYS.layout(T))
+    assert T not in view.topics
+    view.apply_events([(True, KEYS.load(T, 0).encode(), load_bytes(), 30)], NOW, lambda _: None)
+    view.apply_put(KEYS.consumer(T, "s", "c1"), b"{}", 31, NOW)
+    assert T in view.topics
+    assert view.apply_delete(KEYS.load(T, 0)) == Change("load", T, False)  # c1 still holds it
+    assert view.apply_delete(KEYS.consumer(T, "s", "c1")) == Change("layout", T, False)
+    assert T not in view.topics
+    assert KEYS.layout(T).encode() not in view._heads
+    other = TopicName("acme", "ns", "never")
+    assert isinstance(
+        view.apply_put(KEYS.load(other, 0), b'{"msgRateIn": "hot"}', 40, NOW), Rejected
+    )
+    assert other not in view.topics
+    # what still holds a topic without a layout keeps it: our own keys, a bad layout
+    view.apply_put(KEYS.load(T, 0), load_bytes(), 41, NOW)
+    view.apply_put(KEYS.cooldown(T), orjson.dumps({"lastSplitMs": 1}), 42, NOW)
+    assert view.apply_delete(KEYS.load(T, 0)) == Change("load", T, False)
+    assert T in view.topics
+
+
 def test_load_records_parse_and_fall_back_to_first_seen() -> None:
     view = fresh()
     assert view.apply_put(KEYS.load(T, 0), load_bytes(changedAtMs=5), 20, NOW) == Change(

@@ -924,17 +924,20 @@ class MetadataView:
         match rest:
             case ["segments", sid_text, "load"]:  # first: nearly every write is one
                 sid = _long(_segment_id(sid_text), "segment id")
-                state = self.topic(name)
-                seen_rev = state.loads.revision(sid)
+                held = self.topics.get(name)
                 first_seen = now_ms
-                if seen_rev == mod_revision:  # the same version again (a reload): keep its time
-                    first_seen = state.loads[sid].changed_at_ms
+                if held is not None and held.loads.revision(sid) == mod_revision:
+                    first_seen = held.loads[sid].changed_at_ms  # a reload: keep its time
                 plain = plain_load_json(value, first_seen)
                 if plain is not None:
+                    state = self.topic(name)
                     state.loads.put_plain(sid, plain, mod_revision)
                 else:
+                    # Parsed before the topic is made: a refused value must not leave
+                    # a topic behind that no later delete would remove.
                     obj = parse_json(value)
                     sample = load_sample_from_json(obj, f"load[{sid}]", seen_at_ms=first_seen)
+                    state = self.topic(name)
                     state.loads.put(sid, sample, mod_revision)
                 self._learn_load_key(key, state, sid)
                 return Change("load", name, True, sid)
@@ -986,15 +989,20 @@ class MetadataView:
             case ["subscriptions", sub]:
                 state.subscriptions.pop(sub, None)
                 state.consumers.pop(sub, None)
-                return Change("subscription", name, True)
+                return self._unless_gone(state, Change("subscription", name, True))
             case ["subscriptions", sub, "consumers", consumer]:
                 names = state.consumers.get(sub, set())
                 gone = consumer in names
                 names.discard(consumer)
-                return Change("consumer", name, gone)
+                if not names:
+                    # No set is kept empty: a subscription with consumers but no key of
+                    # its own is known through them, and once they left, GC asked its
+                    # backlog (404: unknown, never drained) and kept every segment.
+                    state.consumers.pop(sub, None)
+                return self._unless_gone(state, Change("consumer", name, gone))
             case ["segments", sid_text, "load"]:
                 state.loads.remove(_segment_id(sid_text))
-                return Change("load", name, False)
+                return self._unless_gone(state, Change("load", name, False))
         return None
 
     # -- controller prefix ----------------------------------------------------------------
@@ -1089,6 +1097,7 @@ class MetadataView:
             return change
         del self.topics[state.name]
         state.dropped = True
+        self._heads.pop(self.keys.layout(state.name).encode(), None)
         return Change("layout", state.name, False)
 
     # -- Pulsar's namespace policies --------------------------------------------------------

@@ -448,6 +448,8 @@ class Controller:
             self._index(outcome.topic)
             self._carry_history(outcome.topic)
             if outcome.topic not in self.view.topics:  # deleted: forget what we kept
+                # First: _forget asks the topic's scope, which caches it again.
+                self._forget(outcome.topic)
                 for memory in (
                     self._scope_cache,
                     self._attempts,
@@ -460,7 +462,6 @@ class Controller:
                     memory.pop(outcome.topic, None)
                 self._unaddressable.discard(outcome.topic)
                 self._first_pass.discard(outcome.topic)
-                self._forget(outcome.topic)
             self._metrics.topics.set(len(self.view.topics))
         if outcome.kind == "policy":
             self._config_generation += 1  # every topic's resolved policy is stale
