@@ -35,7 +35,7 @@ from controllerd.core.shards import shard_name, shard_of
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import ManualClock
 from controllerd.daemon.ops import serve_ops
-from controllerd.refbroker.kafka import open_kafka
+from controllerd.refbroker.kafka import KafkaBackend, TopicGone, open_kafka
 from controllerd.refbroker.main import BrokerOptions, serve
 from controllerd.refbroker.naming import seal_key, sealing_key, segment_topic, subscription_group
 from controllerd.refbroker.reporter import LoadReporter
@@ -736,3 +736,60 @@ async def test_a_deleted_segment_is_not_recreated_by_a_metadata_refresh(
             finally:
                 await admin.close()
         tg.cancel_scope.cancel()
+
+
+class DeletionLag:
+    """An admin client whose listings still show the topics it deleted until :meth:`done`:
+    Kafka deletes a topic asynchronously, after its DeleteTopics answer."""
+
+    def __init__(self, admin: AIOKafkaAdminClient) -> None:
+        self._admin = admin
+        self.deleting: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._admin, name)
+
+    async def delete_topics(self, names: list[str]) -> Any:
+        answer = await self._admin.delete_topics(names)
+        self.deleting.update(names)
+        return answer
+
+    async def list_topics(self) -> list[str]:
+        return [*await self._admin.list_topics(), *self.deleting]
+
+    def done(self) -> None:
+        self.deleting.clear()
+
+
+async def test_the_backend_forgets_a_deleted_segment_once_kafka_no_longer_lists_it(
+    kafka_broker: str,
+) -> None:
+    """Every deleted name stayed in ``_deleted`` for the process's life (a name left only
+    if created again, and segment names never repeat): GC churn grew it without bound."""
+    topic = new_topic()
+    names = [segment_topic(topic, f"0000-ffff-{sid}") for sid in range(20)]
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_broker)
+    reader = AIOKafkaConsumer(bootstrap_servers=kafka_broker, enable_auto_commit=False)
+    await admin.start()
+    await reader.start()
+    try:
+        lag = DeletionLag(admin)
+        kafka = KafkaBackend(cast(AIOKafkaAdminClient, lag), reader)
+        await kafka.create_topics(names)
+        for name in names:
+            assert await kafka.delete_topic(name)
+            # Still listed while Kafka deletes it: refused without naming it to the reader.
+            with pytest.raises(TopicGone, match="was deleted"):
+                await kafka.end_offset(name)
+        assert kafka._deleted == set(names)  # no public view of it
+        lag.done()
+        assert not await kafka.exists(names[0])  # a listing that shows every delete done
+        assert kafka._deleted == set()
+        for name in names:  # refused now because no listing shows it
+            with pytest.raises(TopicGone, match="does not exist"):
+                await kafka.end_offset(name)
+        await kafka.refresh_metadata()
+        assert not set(names) & set(await admin.list_topics())  # none came back
+    finally:
+        await reader.stop()
+        await admin.close()

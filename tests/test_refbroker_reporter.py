@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import json
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -270,3 +271,39 @@ async def test_an_unusable_stored_load_record_is_counted_and_replaced(
         assert b.reporter.unusable == set()  # the write replaced it
         said = [e for e in logs if e["event"] == "reporter.value_skipped"]
         assert [(e["kind"], e["key"]) for e in said] == [("load", key)]
+
+
+async def test_a_name_kafka_cannot_have_is_forgotten_once_its_keys_are_gone(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    """``unnamed`` kept every such name ever seen (unlike ``unusable``, which keeps only
+    keys still present): Pulsar topics with dots that came and went grew it for good."""
+    async with bench(store, etcd_prefix, kafka_broker) as b:
+        await b.broker.create_topic(b.topic, 1)
+        stays = TopicName("acme", "ns", f"{b.topic.topic}.stays")
+        await store.put(b.keys.layout(stays), _layout_bytes(initial_layout(1)))
+        with structlog.testing.capture_logs() as logs:
+            for i in range(20):
+                dotted = TopicName("acme", "ns", f"{b.topic.topic}.v{i}")
+                sub = b.keys.subscription(b.topic, f"s.{i}")
+                await store.put(b.keys.layout(dotted), _layout_bytes(initial_layout(1)))
+                await store.put(sub, b'{"type": "STREAM"}')
+                await b.reporter.report_once()
+                await b.reporter.report_once()  # said once while it stays
+                assert {str(dotted), f"{b.topic}/subscriptions/s.{i}"} <= b.reporter.unnamed
+                await store.delete(b.keys.layout(dotted))
+                await store.delete(sub)
+            assert await b.window(10.0, "0000-ffff-0", keys_in(0, 0xFFFF, 10)) == 1
+            assert b.reporter.unnamed == {str(stays)}
+            await store.delete(b.keys.layout(stays))
+            await b.reporter.report_once()
+            assert b.reporter.unnamed == set()
+            await store.put(b.keys.layout(stays), _layout_bytes(initial_layout(1)))
+            await b.reporter.report_once()  # back again: said again
+            assert b.reporter.unnamed == {str(stays)}
+        said = Counter(e["name"] for e in logs if e["event"] == "reporter.name_skipped")
+        churned = [f"{b.topic.topic}.v{i}" for i in range(20)]
+        expected = Counter({str(stays): 2})
+        expected.update(str(TopicName("acme", "ns", name)) for name in churned)
+        expected.update(f"{b.topic}/subscriptions/s.{i}" for i in range(20))
+        assert said == expected

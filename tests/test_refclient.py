@@ -28,7 +28,7 @@ from aiokafka.errors import UnknownTopicOrPartitionError
 from anyio.abc import TaskStatus
 
 from controllerd.adapters.store import Compare, Delete, Put, Store
-from controllerd.core.layout import initial_layout, merge, split
+from controllerd.core.layout import initial_layout, merge, prune, split
 from controllerd.core.model import (
     HashRange,
     Layout,
@@ -884,3 +884,191 @@ async def test_garbage_in_the_topic_subtree_ends_neither_producer_nor_consumer(
     assert [(m.segment_id, m.offset) for m in got] == [(0, 0), (0, 1)]
     if case.startswith("layout"):
         assert any(e["event"] == "refclient.layout.invalid" for e in logs)
+
+
+# --- state that must not grow with the topic's history -----------------------------------------
+
+
+async def gc(sim: SimBroker, sids: list[int]) -> None:
+    """What GC does to drained sealed segments: prune them from the layout, then the broker
+    deletes each one's data and seal key."""
+    await sim.write_layout(prune(sim.layout, sids))
+    for sid in sids:
+        await sim.store.delete(seal_key(sim.keys, sim.topic, sid))
+
+
+async def test_a_follower_keeps_a_deleted_seal_only_while_something_needs_it(
+    store: Store, etcd_prefix: str
+) -> None:
+    """``seals`` only grew: GC deletes every seal key it wrote, so split/merge churn left
+    one entry per segment the topic ever sealed."""
+    keys = Keys(metadata_prefix=f"{etcd_prefix}pulsar", controller_root=f"{etcd_prefix}ctl")
+    topic = TopicName("acme", "ns", f"t{uuid.uuid4().hex[:12]}")
+    follower = client_module._TopicFollower(store, keys, topic, client_module._Signal(), None)
+    layout = initial_layout(1)
+    revision = 0
+
+    async def write(new: Layout, seals: dict[int, int], deleted: list[int]) -> None:
+        """One transaction, as the broker's; then wait for the watch to apply it."""
+        nonlocal layout, revision
+        layout = new
+        result = await store.txn(
+            [Compare.mod_revision(keys.layout(topic), revision)],
+            [
+                Put(keys.layout(topic), json.dumps(layout_to_json(new)).encode()),
+                *(
+                    Put(seal_key(keys, topic, sid), json.dumps({"endOffset": end}).encode())
+                    for sid, end in seals.items()
+                ),
+                *(Delete(seal_key(keys, topic, sid)) for sid in deleted),
+            ],
+        )
+        assert result.succeeded
+        revision = result.revision
+        await eventually(lambda: follower.revision >= revision)
+
+    await follower.load()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follower.run)
+        await write(layout, {}, [])
+        for _ in range(30):
+            (a,) = [s.segment_id for s in layout.active_segments()]
+            await write(split(layout, a, now_ms=1), {a: 5}, [])
+            b, c = layout.segments[a].child_ids
+            await write(merge(layout, b, c, now_ms=2), {b: 1, c: 2}, [])
+            # The seal keys go first (a broker's delete): the layout still shows the segments,
+            # and a consumer tells by their ends whether the merged child is readable.
+            await write(layout, {}, [a, b, c])
+            assert {a: 5, b: 1, c: 2}.items() <= follower.seals.items()
+            (d,) = [s.segment_id for s in layout.active_segments()]
+            assert readable_segments(layout, follower.seals, {a: 5, b: 1, c: 2}) == [d]
+            await write(prune(layout, [a, b, c]), {}, [])
+            assert follower.seals == {}
+        # A seal the owner still needs stays after GC, until the owner lets it go.
+        (a,) = [s.segment_id for s in layout.active_segments()]
+        await write(split(layout, a, now_ms=1), {a: 7}, [])
+        held = {a}
+        follower.holds = held.__contains__
+        await write(prune(layout, [a]), {}, [a])
+        assert follower.seals == {a: 7}
+        held.clear()
+        follower.drop_unneeded_seals()
+        assert follower.seals == {}
+        tg.cancel_scope.cancel()
+
+
+async def test_a_settle_retried_after_gc_still_finds_its_seal_and_then_forgets_it(
+    store: Store, etcd_prefix: str, kafka_broker: str, kafka_seams: list[KafkaSeam]
+) -> None:
+    """GC may prune a segment whose re-sends Kafka refused: the retry needs the seal (the
+    producer's follower keeps it while tracked); once settled, the segment is forgotten."""
+    names = [f"k{i}" for i in range(6)]
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+            (seam,) = kafka_seams
+            follower = producer._follower  # no public view of what the watch applied
+            for name in names:
+                await producer.send(*kv(name, 0))
+            refused = False
+
+            async def gc_then_refuse(topic: str) -> None:
+                """The first re-send: GC prunes the parent and deletes its seal, Kafka refuses."""
+                nonlocal refused
+                if refused:
+                    return
+                refused = True
+                await gc(sim, [0])
+                await eventually(lambda: follower.layout == sim.layout)
+                raise UnknownTopicOrPartitionError()
+
+            seam.before_send = gc_then_refuse
+            await sim.write_layout(split(sim.layout, 0, now_ms=1))  # children 1, 2
+            await sim.seal(0, end=0)  # every message landed beyond it
+            with anyio.fail_after(20):
+                await eventually(lambda: refused)
+                assert follower.seals == {0: 0}  # its key is gone, but 0 is still tracked
+                await producer.flush()
+            assert producer.retained == 0
+            assert follower.seals == {}
+            assert set(producer.stats) == {1, 2}  # 0 is gone from the layout and settled
+        for child in (1, 2):
+            rng = sim.layout.segments[child].hash_range
+            mine = [n for n in names if rng.start <= key_hash(n.encode()) <= rng.end]
+            assert [r.value for r in await sim.records(child)] == [kv(n, 0)[1] for n in mine]
+
+
+async def test_producer_state_stays_bounded_under_split_merge_and_gc(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    """``stats`` and the follower's ``seals`` kept an entry per segment the producer ever
+    sent to or saw sealed, long after GC deleted it."""
+    names = [f"k{i}" for i in range(8)]
+    async with sim_broker(store, etcd_prefix, kafka_broker, 1) as sim:
+        async with open_producer(store, sim.keys, kafka_broker, sim.topic) as producer:
+            follower = producer._follower  # no public view of what the watch applied
+            with anyio.fail_after(60):
+                for round_ in range(8):
+                    (a,) = [s.segment_id for s in sim.layout.active_segments()]
+                    for name in names:
+                        assert (await producer.send(*kv(name, round_))).segment_id == a
+                    await sim.split(a)
+                    b, c = sim.layout.segments[a].child_ids
+                    routed = {(await producer.send(*kv(n, round_))).segment_id for n in names}
+                    assert routed == {b, c}
+                    await sim.merge(b, c)
+                    await producer.flush()
+                    assert producer.stats[a].messages == len(names)  # still in the layout
+                    await gc(sim, [a, b, c])
+                    await eventually(lambda: follower.layout == sim.layout)
+                    assert len(follower.seals) <= 3
+                    assert len(producer.stats) <= 4  # the last settle's segments, until the next
+            assert follower.seals == {}
+
+
+async def test_consumer_state_stays_bounded_under_split_merge_and_gc(
+    store: Store, etcd_prefix: str, kafka_broker: str
+) -> None:
+    """The consumer's commits per segment (and its follower's seals) kept every segment it
+    ever read, after GC deleted it."""
+    names = [f"k{i}" for i in range(8)]
+    rounds = 6
+    async with (
+        sim_broker(store, etcd_prefix, kafka_broker, 1) as sim,
+        open_producer(store, sim.keys, kafka_broker, sim.topic) as producer,
+        open_consumer(store, sim.keys, kafka_broker, sim.topic, "s", "c") as consumer,
+    ):
+        got: list[Message] = []
+
+        async def consume() -> None:
+            async for message in consumer.messages():
+                got.append(message)
+
+        committed = consumer._committed  # no public view of either
+        seals = consumer._follower.seals
+
+        async def churn(round_: int) -> None:
+            """Split the active segment, merge its children, and GC the three once read."""
+            (a,) = [s.segment_id for s in sim.layout.active_segments()]
+            for name in names:
+                await producer.send(*kv(name, 3 * round_))
+            await sim.split(a)
+            b, c = sim.layout.segments[a].child_ids
+            for name in names:
+                await producer.send(*kv(name, 3 * round_ + 1))
+            await sim.merge(b, c)
+            (d,) = [s.segment_id for s in sim.layout.active_segments()]
+            for name in names:
+                await producer.send(*kv(name, 3 * round_ + 2))
+            await producer.flush()
+            await eventually(lambda: len(got) == 3 * len(names) * (round_ + 1))
+            await eventually(lambda: consumer.assignment == {d})  # a, b, c finished
+            await gc(sim, [a, b, c])
+            await eventually(lambda: set(committed) <= {d} and set(seals) == set())
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                for round_ in range(rounds):
+                    await churn(round_)
+                tg.cancel_scope.cancel()
+    assert per_key(got) == {n.encode(): list(range(3 * rounds)) for n in names}

@@ -260,8 +260,11 @@ class _TopicFollower:
     """Mirror of one topic's etcd subtree, kept current by one watch.
 
     Invariants: ``revision`` is the etcd revision the mirror reflects. ``seals``
-    only grows: a deleted seal key means the segment's data was deleted, and its
-    end offset stays true for anyone who still holds messages sent to it. An
+    holds the end offset of every segment whose seal key the mirror shows, and
+    of a segment whose key was deleted (GC deleted its data; the end offset stays
+    true) only while the layout still shows the segment or ``holds`` says the
+    owner still needs it (a producer with messages sent to it not yet settled);
+    then it goes, so ``seals`` is bounded by the subtree, not by its history. An
     invalid layout value is logged and ignored (the previous one stays).
     ``sealing`` is what the broker's ``sealing`` intent names (empty: none).
     """
@@ -280,6 +283,10 @@ class _TopicFollower:
         )
         self.layout: Layout | None = None
         self.seals: dict[int, int] = {}
+        #: segments in ``seals`` whose seal key is gone: kept while needed, see the invariants
+        self._unkeyed: set[int] = set()
+        #: whether the owner still needs the end offset of a segment whose seal key is gone
+        self.holds: Callable[[int], bool] = lambda sid: False
         self.sealing: frozenset[int] = frozenset()
         self.consumers: dict[str, frozenset[int]] = {}
         self.revision = 0
@@ -294,10 +301,23 @@ class _TopicFollower:
         self.layout = None
         self.sealing = frozenset()
         self.consumers = {}
+        keyed: set[int] = set()
         for kv in kvs:
             self._put(kv.key, kv.value)
+            sid = self._seal_id(kv.key)
+            if sid is not None:
+                keyed.add(sid)
+        self._unkeyed.update(set(self.seals) - keyed)  # deleted while history was compacted
+        self.drop_unneeded_seals()
         self.revision = revision
         self._signal.notify()
+
+    def drop_unneeded_seals(self) -> None:
+        """Forget the seals whose key is gone that neither the layout nor the owner needs."""
+        shown = self.layout.segments if self.layout is not None else {}
+        for sid in [s for s in self._unkeyed if s not in shown and not self.holds(s)]:
+            self._unkeyed.discard(sid)
+            del self.seals[sid]
 
     async def run(self) -> None:
         """Apply every change from ``revision + 1`` on; reload if history was compacted."""
@@ -319,6 +339,13 @@ class _TopicFollower:
                 log.warning("refclient.watch.compacted", root=self.root, revision=exc.revision)
                 await self.load()
 
+    def _seal_id(self, key: str) -> int | None:
+        """The segment id of a seal key (None: not one, or no usable id)."""
+        if not key.startswith(self._segments_prefix) or not key.endswith("/seal"):
+            return None
+        sid = key[len(self._segments_prefix) : -len("/seal")]
+        return int(sid) if sid.isdigit() else None
+
     def _put(self, key: str, value: bytes) -> bool:
         if key == self.root:
             try:
@@ -326,20 +353,22 @@ class _TopicFollower:
             except _UNUSABLE_LAYOUT as exc:
                 log.warning("refclient.layout.invalid", key=key, error=str(exc)[:_ERROR_CHARS])
                 return False
+            self.drop_unneeded_seals()
             return True
         if key == self.sealing_key:
             self.sealing = _parse_sealing(value)
             return True
         if key.startswith(self._segments_prefix) and key.endswith("/seal"):
-            sid = key[len(self._segments_prefix) : -len("/seal")]
+            sid = self._seal_id(key)
             try:
                 end = parse_json(value)["endOffset"]
             except (ValueError, TypeError, KeyError):
                 end = None
-            if not sid.isdigit() or not isinstance(end, int) or isinstance(end, bool) or end < 0:
+            if sid is None or not isinstance(end, int) or isinstance(end, bool) or end < 0:
                 log.warning("refclient.seal.invalid", key=key)
                 return False
-            self.seals[int(sid)] = end
+            self.seals[sid] = end
+            self._unkeyed.discard(sid)
             return True
         name = self._consumer_name(key)
         if name is not None:
@@ -350,10 +379,17 @@ class _TopicFollower:
     def _delete(self, key: str) -> bool:
         if key == self.root:
             self.layout = None
+            self.drop_unneeded_seals()
             return True
         if key == self.sealing_key:
             self.sealing = frozenset()
             return True
+        sid = self._seal_id(key)
+        if sid is not None:
+            if sid in self.seals:
+                self._unkeyed.add(sid)
+                self.drop_unneeded_seals()
+            return False  # forgetting a seal nobody needs unblocks no one
         name = self._consumer_name(key)
         if name is not None:
             return self.consumers.pop(name, None) is not None
@@ -452,11 +488,17 @@ class Producer:
         self._gate = anyio.Lock()
         self._tracks: dict[int, _Track] = {}
         self._retained = 0
+        #: counters of segments the layout shows or that are tracked (pruned on each settle)
         self._stats: dict[int, SegmentStats] = {}
+        follower.holds = self._tracks.__contains__  # a settle needs the seal, even if GC ran
 
     @property
     def stats(self) -> dict[int, SegmentStats]:
-        """A snapshot of the per-segment counters, by segment id."""
+        """A snapshot of the per-segment counters, by segment id.
+
+        A segment's counters go once GC pruned it from the layout and the producer
+        has nothing left to settle there (checked whenever a segment is settled).
+        """
         return {sid: dataclasses.replace(s) for sid, s in self._stats.items()}
 
     @property
@@ -624,6 +666,7 @@ class Producer:
                 self._retained -= 1
             del self._tracks[sid]
             self._untrack()
+            self._forget_gone()
             log.info(
                 "refclient.producer.settled",
                 topic=self._topic.path,
@@ -677,6 +720,19 @@ class Producer:
                 if sid in layout.segments
             )
             self._kafka.client.set_topics(sorted(named))
+
+    def _forget_gone(self) -> None:
+        """Drop the counters and seals of segments neither the layout shows nor we track.
+
+        Such a segment is gone for good (segment ids never repeat), so what is
+        kept stays bounded by the layout however long the producer runs.
+        """
+        self._follower.drop_unneeded_seals()
+        layout = self._follower.layout
+        if layout is None:  # the topic is gone: nothing to tell a live segment by
+            return
+        for sid in [s for s in self._stats if s not in layout.segments and s not in self._tracks]:
+            del self._stats[sid]
 
     async def _trim(self) -> int:
         """Forget acknowledged messages of segments etcd still shows active; caller holds the gate.
@@ -874,6 +930,8 @@ class Consumer:
         self._poll_interval = poll_interval
         self._owned: dict[int, _Reading] = {}
         self._by_topic: dict[str, int] = {}
+        #: the group's commit per segment, as far as we know; only segments the layout shows
+        #: (pruned by each reconcile), the only ones whose finish anything asks about
         self._committed: dict[int, int] = {}
         self._claims: frozenset[int] = frozenset()
         self._assigned: frozenset[int] = frozenset()
@@ -1121,6 +1179,10 @@ class Consumer:
             if claimable:
                 changed |= await self._acquire(claimable)
             self._apply_assignment()
+        # Released above if owned: a segment GC pruned never comes back (ids never repeat).
+        shown = self._layout().segments
+        for sid in [s for s in self._committed if s not in shown]:
+            del self._committed[sid]
 
     async def _finish(self) -> bool:
         """Commit owned sealed segments processed up to their end; True if any was."""

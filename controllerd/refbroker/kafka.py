@@ -17,7 +17,12 @@ segment would therefore re-create it after GC deleted it. So:
 * a topic is named only after it was seen to exist (cached all-topic
   metadata, else a fresh listing) and never after this process deleted it
   (``_deleted``), and deleting takes the same lock, so no read of a topic can
-  overlap its deletion;
+  overlap its deletion. Kafka deletes asynchronously, so a listing may still
+  show a topic after its delete returned; ``_deleted`` covers exactly that
+  window. A name leaves it once a listing requested after the delete no longer
+  shows the topic (from then on the listing itself refuses it), or when this
+  process creates the topic again: it holds only deletions still in progress,
+  however many segments GC deletes over a long run;
 * the admin client only lists all topics, creates, deletes and reads group
   offsets, none of which names a topic in a metadata request.
 """
@@ -72,6 +77,7 @@ class KafkaBackend:
         self._admin = admin
         self._reader = reader
         self._lock = anyio.Lock()  # the reader serves one topic at a time
+        #: names this process deleted that a listing may still show (see the module docstring)
         self._deleted: set[str] = set()
 
     async def create_topics(self, names: list[str]) -> None:
@@ -107,11 +113,19 @@ class KafkaBackend:
             return True
 
     async def exists(self, name: str) -> bool:
-        """Whether the topic exists, from a listing of all topics (which creates none)."""
+        """Whether the topic exists, from a listing of all topics (which creates none).
+
+        The listing also ends the memory of every deletion it shows complete. Only
+        names deleted before it was requested count: an earlier answer may miss a
+        topic that was created, and then deleted, while it was on its way.
+        """
+        deleting = set(self._deleted)
         try:
-            return name in await self._admin.list_topics()
+            listed = set(await self._admin.list_topics())
         except KafkaError as exc:
             raise KafkaBackendError(f"list topics: {exc}") from exc
+        self._deleted.difference_update(deleting - listed)
+        return name in listed
 
     async def end_offset(self, name: str) -> int:
         """The offset after the topic's last record.

@@ -137,7 +137,7 @@ class LoadReporter:
         self._written: dict[tuple[TopicName, int], _Written] = {}
         self._sizes: dict[tuple[TopicName, int], float] = {}
         self._held: set[tuple[TopicName, int]] = set()
-        #: names no Kafka topic or group can have (said once each, then skipped)
+        #: names no Kafka topic or group can have (said once while their key stays, then skipped)
         self.unnamed: set[str] = set()
         #: etcd keys whose value is unusable now (said once while it stays so, then skipped)
         self.unusable: set[str] = set()
@@ -168,6 +168,7 @@ class LoadReporter:
         layouts: dict[TopicName, Layout] = {}
         subscriptions: dict[TopicName, list[str]] = {}
         stored: dict[str, bytes] = {}
+        unnamed: set[str] = set()
         for kv in kvs:
             parts = kv.key[len(prefix) :].split("/")
             try:
@@ -175,15 +176,17 @@ class LoadReporter:
             except (TypeError, ModelError):
                 continue
             if len(parts) == 3:
-                if self._kafka_safe(topic):
+                if self._kafka_safe(unnamed, topic):
                     layout = self._usable_layout(topic, kv.key, kv.value)
                     if layout is not None:
                         layouts[topic] = layout
             elif len(parts) == 5 and parts[3] == "subscriptions":
-                if self._kafka_safe(topic, parts[4]):
+                if self._kafka_safe(unnamed, topic, parts[4]):
                     subscriptions.setdefault(topic, []).append(parts[4])
             elif len(parts) == 6 and parts[5] == "load":
                 stored[kv.key] = kv.value
+        # A name whose keys are gone is forgotten (and said again if it comes back).
+        self.unnamed.intersection_update(unnamed)
         written = 0
         measured: set[tuple[TopicName, int]] = set()
         for topic, layout in sorted(layouts.items()):
@@ -207,16 +210,20 @@ class LoadReporter:
             self.unusable.intersection_update(kv.key for kv in kvs)
         return written
 
-    def _kafka_safe(self, topic: TopicName, sub: str | None = None) -> bool:
+    def _kafka_safe(self, seen: set[str], topic: TopicName, sub: str | None = None) -> bool:
         """Whether the topic (and ``sub``) can be named in Kafka; a key in the shared
         prefix that cannot (Pulsar allows dots, Kafka names here do not) is skipped,
-        with one warning, instead of ending the reporter and the broker with it."""
+        with one warning, instead of ending the reporter and the broker with it.
+
+        An unnameable name is added to ``seen``, this pass's set of them.
+        """
         try:
             segment_topic(topic, "0000-ffff-0")
             if sub is not None:
                 subscription_group(topic, sub)
         except ValueError as exc:
             name = str(topic) if sub is None else f"{topic}/subscriptions/{sub}"
+            seen.add(name)
             if name not in self.unnamed:
                 self.unnamed.add(name)
                 log.warning("reporter.name_skipped", name=name, error=str(exc))
