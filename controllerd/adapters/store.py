@@ -107,6 +107,13 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     # its lease's keep-alive stream): etcd refuses pings on an idle connection and
     # closes it with GOAWAY "too_many_pings" (seen on the bench's idle client).
     ("grpc.keepalive_permit_without_calls", 0),
+    # A frozen member (SIGSTOP, a hung host) keeps its TCP connections open, so only
+    # an unanswered ping shows it. grpc otherwise stops pinging after 2 pings with no
+    # data sent, and waits its own ping timeout (not keepalive_timeout_ms) for an ack:
+    # a watch on a frozen member went silent for 68-130 s (measured on a 3-member
+    # cluster); with these two it moved to a live member after ~10 s.
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
@@ -115,6 +122,15 @@ _CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     # backoff) between channels to the same address, e.g. two replicas in a test.
     ("grpc.use_local_subchannel_pool", 1),
 ]
+#: Sent with every watch, as etcd's Go client does (``WithRequireLeader``): a member
+#: cut off from the quorum then ends the watch with UNAVAILABLE "no leader" (at once,
+#: and when it loses its leader later), so it resumes on another member. Without it
+#: such a member keeps the stream open and silent for as long as the partition lasts.
+#: etcd may refuse the stream before the create request is sent; grpc then reports
+#: INTERNAL and loses etcd's status (1 refused stream in 5, measured), so an INTERNAL
+#: failure of that first write is retried like UNAVAILABLE: a later attempt whose
+#: write gets through reads the real status.
+_REQUIRE_LEADER: Final = (("hasleader", "true"),)
 _TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 #: grpc's own words for a response over ``grpc.max_receive_message_length``
 #: (status RESOURCE_EXHAUSTED, details "Stream removed (CLIENT: Received message
@@ -895,7 +911,8 @@ class Store:
         failures = 0
         while True:
             generation = self._token_generation
-            call = self._watch_call(metadata=self._metadata)
+            call = self._watch_call(metadata=_REQUIRE_LEADER + (self._metadata or ()))
+            creating = True
             try:
                 await call.write(
                     WatchRequest(
@@ -907,6 +924,7 @@ class Store:
                         )
                     )
                 )
+                creating = False
                 # Events of the last revision seen, not yet complete. Never more than
                 # one revision; etcd never sends an empty fragment, so the last one
                 # of a response always completes (and delivers) them.
@@ -956,7 +974,11 @@ class Store:
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                 if _needs_reauth(exc):
                     await self._reauthenticate(generation)
-                elif not _is_transient(exc) and not isinstance(exc, asyncio.InvalidStateError):
+                elif not (
+                    _is_transient(exc)
+                    or isinstance(exc, asyncio.InvalidStateError)
+                    or (creating and exc.code() == grpc.StatusCode.INTERNAL)
+                ):
                     raise _fatal("Watch", exc) from exc
                 error = _describe(exc)
             finally:
