@@ -320,12 +320,23 @@ class _TopicFollower:
             del self.seals[sid]
 
     async def run(self) -> None:
-        """Apply every change from ``revision + 1`` on; reload if history was compacted."""
+        """Apply every change from ``revision + 1`` on; reload if history was compacted.
+
+        Never ends on etcd: a watch that fails (cancelled by etcd, a reload that
+        found etcd unreachable) is retried with backoff from ``revision + 1``, as
+        the daemon's follower does; ending would end the producer or consumer.
+        """
+        failures = 0
+        compacted = False
         while True:
             try:
+                if compacted:
+                    await self.load()
+                    compacted = False
                 watch = self._store.watch_prefix(self.root, self.revision + 1)
                 async with aclosing(watch) as batches:
                     async for batch in batches:
+                        failures = 0
                         relevant = False
                         for event in batch:
                             if event.kind == "put":
@@ -337,7 +348,18 @@ class _TopicFollower:
                             self._signal.notify()
             except WatchCompacted as exc:
                 log.warning("refclient.watch.compacted", root=self.root, revision=exc.revision)
-                await self.load()
+                compacted = True
+            except StoreError as exc:
+                delay = backoff.ETCD.delay(failures)
+                failures += 1
+                log.warning(
+                    "refclient.watch.failed",
+                    root=self.root,
+                    reload=compacted,
+                    error=str(exc),
+                    retry_in_s=round(delay, 3),
+                )
+                await anyio.sleep(delay)
 
     def _seal_id(self, key: str) -> int | None:
         """The segment id of a seal key (None: not one, or no usable id)."""
