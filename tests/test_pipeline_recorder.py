@@ -9,7 +9,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncGenerator, Coroutine, Sequence
-from contextlib import aclosing
+from contextlib import ExitStack, aclosing
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,6 +44,7 @@ from controllerd.pipeline.recorder import (
     AuditRecorder,
     ParquetSink,
     Recorder,
+    decision_row,
     record_from_config,
 )
 from controllerd.pipeline.simulate import simulate
@@ -51,6 +52,7 @@ from controllerd.pipeline.traces import TraceOptions, import_history
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, controllerd
 from tests.support.daemon import wait_until
 from tests.support.etcd import EtcdServer, compact
+from tests.support.kafka import run_tansu
 from tests.support.proxy import serve_proxy
 
 HOUR_MS = 3_600_000
@@ -527,6 +529,34 @@ async def test_audit_offsets_are_committed_only_for_rows_on_disk(
         tg.cancel_scope.cancel()
     assert read_table(tmp_path, DECISIONS).num_rows == 2
     assert await committed(kafka_broker, group, topic) == 2
+
+
+async def test_audit_recording_flushes_and_stops_with_kafka_gone(tmp_path: Path) -> None:
+    """aiokafka retries an offset commit for as long as Kafka is away, and the commit
+    ran under the sink's lock: with Kafka gone after records were consumed, every
+    later flush (the etcd rows' too) and the stop at SIGTERM waited for ever. Now a
+    commit, and the consumer's stop, are given up after ``kafka_timeout``; the rows
+    are on disk and their offsets are read again after a restart (at least once)."""
+    topic = f"audit-{uuid.uuid4().hex}"
+    record = json.dumps(AUDIT_RECORD).encode()
+    sink = WatchedSink(tmp_path / "out")
+    audit = AuditRecorder(kafka_timeout=1.0)
+    with ExitStack() as kafka:
+        bootstrap = kafka.enter_context(run_tansu(tmp_path / "tansu.log"))
+        await produce(bootstrap, topic, [record] * 3)
+        async with anyio.create_task_group() as tg:
+            await tg.start(follow(audit, f"recorder-{uuid.uuid4().hex}"), bootstrap, topic, sink)
+            await sink.wait_for(DECISIONS, 3)
+            kafka.close()  # tansu stopped; the 3 offsets are not committed
+            with anyio.fail_after(30):  # a hang guard: each flush waits 1 s for Kafka
+                await sink.flush()
+                sink.add(DECISIONS, decision_row(AUDIT_RECORD))  # e.g. an etcd row
+                await sink.flush()
+            # What SIGTERM does. The final flush and the consumer's stop are shielded
+            # (no hang guard reaches them): before, this never returned.
+            tg.cancel_scope.cancel()
+    assert read_table(tmp_path / "out", DECISIONS).num_rows == 4
+    assert audit.commits_failed >= 1
 
 
 async def test_a_compacted_watch_is_followed_again_from_a_new_snapshot(

@@ -53,6 +53,10 @@ log = structlog.get_logger(__name__)
 FLUSH_ROWS: Final = 50_000
 #: Consumer group of the audit follower: offsets survive recorder restarts.
 AUDIT_GROUP: Final = "controllerd-recorder"
+#: Seconds an audit offset commit, or the consumer's stop, may take. aiokafka retries
+#: a commit for as long as Kafka is away, under the sink's lock: every flush (the etcd
+#: rows' too) and the final one at SIGTERM waited for it for ever.
+AUDIT_KAFKA_TIMEOUT: Final = 10.0
 
 #: Called as a flush takes the buffered rows; returns what to run once they are on disk.
 Checkpoint = Callable[[], Callable[[], Awaitable[None]]]
@@ -348,8 +352,12 @@ class AuditRecorder:
     that row (or a later one) is on disk, a rejected record's like any other.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kafka_timeout: float = AUDIT_KAFKA_TIMEOUT) -> None:
         self.rejected = 0
+        #: offset commits given up (Kafka away): committed by a later flush, or read
+        #: again after a restart (at least once)
+        self.commits_failed = 0
+        self._kafka_timeout = kafka_timeout
 
     def row(self, value: bytes | None, partition: int, offset: int) -> dict[str, Any] | None:
         """The row for one record's ``value``, or None (counted) if it is not usable."""
@@ -393,9 +401,18 @@ class AuditRecorder:
 
             async def commit() -> None:
                 ready = {tp: off for tp, off in taken.items() if committed.get(tp, 0) < off}
-                if ready:
+                if not ready:
+                    return
+                with anyio.move_on_after(self._kafka_timeout):
                     await consumer.commit(ready)
                     committed.update(ready)
+                    return
+                self.commits_failed += 1
+                log.warning(
+                    "record.audit.commit_failed",
+                    error=f"no answer from Kafka in {self._kafka_timeout:g}s",
+                    offsets={f"{tp.topic}/{tp.partition}": off for tp, off in ready.items()},
+                )
 
             return commit
 
@@ -416,7 +433,10 @@ class AuditRecorder:
                     await sink.flush()  # commits what it wrote
                 finally:
                     sink.remove_on_flush(checkpoint)
-                    await consumer.stop()
+                    with anyio.move_on_after(self._kafka_timeout) as stopping:
+                        await consumer.stop()
+                    if stopping.cancelled_caught:
+                        log.warning("record.audit.stop_abandoned", timeout_s=self._kafka_timeout)
 
 
 async def _flush_every(sink: ParquetSink, seconds: float) -> None:
@@ -529,7 +549,12 @@ async def record_from_config(
             ) from None
         raise
     rejected = recorder.rejected + audit.rejected
-    log.info("record.stopped", rows=sink.counts, rejected=rejected)
+    log.info(
+        "record.stopped",
+        rows=sink.counts,
+        rejected=rejected,
+        audit_commits_failed=audit.commits_failed,
+    )
     return Recorded(dict(sink.counts), rejected)
 
 
