@@ -10,7 +10,7 @@ import pytest
 import structlog
 
 from controllerd.adapters.election import Leadership, current_leader, fenced, lead, wait_for_turn
-from controllerd.adapters.store import Put, Store, open_store
+from controllerd.adapters.store import LeaseKeepAliveClient, Put, Store, open_store
 from tests.support.etcd import (  # noqa: F401 - fixtures
     EtcdServer,
     etcd_prefix_fixture,
@@ -187,6 +187,43 @@ async def test_lost_when_keepalives_fail_and_resign_survives_etcd_down(
     )
     assert logs.find("election.resign_failed", token=leadership.token)
     await anyio.to_thread.run_sync(etcd_server.start)
+
+
+class _CrashingKeepAlive:
+    """The real keep-alive client, except that its first renewal raises what no etcd
+    answer can: a bug, or grpc misused."""
+
+    def __init__(self, client: LeaseKeepAliveClient) -> None:
+        self.client = client
+        self.calls = 0
+
+    def keepalive_once(self, lease_id: int, timeout: float) -> int:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("injected: not an etcd answer")
+        return self.client.keepalive_once(lease_id, timeout)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+async def test_a_keepalive_thread_that_crashes_gives_up_leadership_at_once(
+    store: Store, etcd_prefix: str, logs: Logs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renewing thread caught only StoreError: anything else ended it silently, and
+    the leader led on, unrenewed, until its lease's deadline (here 9 s), and never
+    set ``lost``."""
+    real = store.keepalive_client
+    monkeypatch.setattr(store, "keepalive_client", lambda: _CrashingKeepAlive(real()))
+    key = etcd_prefix + "leader"
+    async with lead(store, key, {"name": "a"}, ttl=12) as leadership:
+        with anyio.fail_after(7):  # the first renewal, 4 s in, crashes
+            await leadership.lost.wait()
+        assert not leadership.is_leader()
+    assert (await logs.wait_for("election.lost", token=leadership.token))["reason"] == (
+        "keepalive-crashed"
+    )
+    assert logs.find("election.keepalive_crashed")
 
 
 async def test_cancellation_and_errors_resign_and_propagate_unwrapped(

@@ -189,6 +189,11 @@ class _Lease:
                     return
                 self.deadline = max(self.deadline, sent + remaining - self._margin)
                 next_at = sent + interval
+        except Exception as exc:
+            # Not etcd's answer (a bug, grpc misused): nothing renews any more, so say
+            # so now rather than lead on, unrenewed, until the deadline.
+            log.error("election.keepalive_crashed", lease=self.id, error=repr(exc))
+            self.expire("keepalive-crashed")
         finally:
             client.close()
 
