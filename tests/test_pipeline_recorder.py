@@ -8,8 +8,8 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncGenerator, Coroutine, Sequence
-from contextlib import ExitStack, aclosing
+from collections.abc import Coroutine, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,11 +20,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from controllerd import config as config_mod
 from controllerd.adapters.store import (
-    KeyValue,
     Store,
-    StoreError,
-    StoreUnavailable,
-    WatchEvent,
     open_store,
 )
 from controllerd.core.layout import initial_layout, split
@@ -51,7 +47,7 @@ from controllerd.pipeline.simulate import simulate
 from controllerd.pipeline.traces import TraceOptions, import_history
 from controllerd.pipeline.variants import REFERENCE_THRESHOLDS, controllerd
 from tests.support.daemon import wait_until
-from tests.support.etcd import EtcdServer, compact
+from tests.support.etcd import EtcdServer, FailingStore, compact
 from tests.support.kafka import run_tansu
 from tests.support.proxy import serve_proxy
 
@@ -604,37 +600,6 @@ async def test_a_compacted_watch_is_followed_again_from_a_new_snapshot(
         (5.0, None),
     ]
     assert read_table(tmp_path, LAYOUTS).num_rows == 2  # the unchanged layout is not repeated
-
-
-class FailingStore:
-    """The real store, except that the first watch waits for ``release`` and then
-    fails with an error etcd can answer but the test cannot provoke on demand (the
-    watch cancelled), and the first read after ``fail_reads`` is set fails as an
-    unreachable etcd does."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.release = anyio.Event()
-        self.watches = 0
-        self.fail_reads = False
-        self.failed_reads = 0
-
-    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        if self.fail_reads and not self.failed_reads:
-            self.failed_reads += 1
-            raise StoreUnavailable("KV.Range: etcd unavailable for 0.5s (injected)")
-        return await self.store.get_prefix(prefix)
-
-    async def watch_prefix(
-        self, prefix: str, start_revision: int
-    ) -> AsyncGenerator[list[WatchEvent], None]:
-        self.watches += 1
-        if self.watches == 1:
-            await self.release.wait()
-            raise StoreError("watch cancelled by etcd: injected")
-        async with aclosing(self.store.watch_prefix(prefix, start_revision)) as batches:
-            async for batch in batches:
-                yield batch
 
 
 async def test_etcd_failing_after_the_start_ends_no_recording_and_loses_no_change(

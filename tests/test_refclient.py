@@ -14,8 +14,8 @@ import asyncio
 import json
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
@@ -30,12 +30,8 @@ from anyio.abc import TaskStatus
 from controllerd.adapters.store import (
     Compare,
     Delete,
-    KeyValue,
     Put,
     Store,
-    StoreError,
-    StoreUnavailable,
-    WatchEvent,
 )
 from controllerd.core.layout import initial_layout, merge, prune, split
 from controllerd.core.model import (
@@ -67,7 +63,7 @@ from controllerd.refbroker.naming import (
     segment_topic,
     subscription_group,
 )
-from tests.support.etcd import EtcdServer, compact
+from tests.support.etcd import EtcdServer, FailingStore, compact
 
 
 async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:
@@ -967,36 +963,6 @@ async def test_a_follower_keeps_a_deleted_seal_only_while_something_needs_it(
         tg.cancel_scope.cancel()
 
 
-class _FailingStore:
-    """The real store, except that the first watch waits for ``release`` and then
-    fails as etcd cancelling it would (not provoked on demand), and the first read
-    after ``fail_reads`` is set fails as an unreachable etcd does."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.release = anyio.Event()
-        self.watches = 0
-        self.fail_reads = False
-        self.failed_reads = 0
-
-    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        if self.fail_reads and not self.failed_reads:
-            self.failed_reads += 1
-            raise StoreUnavailable("KV.Range: etcd unavailable for 0.5s (injected)")
-        return await self.store.get_prefix(prefix)
-
-    async def watch_prefix(
-        self, prefix: str, start_revision: int
-    ) -> AsyncGenerator[list[WatchEvent], None]:
-        self.watches += 1
-        if self.watches == 1:
-            await self.release.wait()
-            raise StoreError("watch cancelled by etcd: injected")
-        async with aclosing(self.store.watch_prefix(prefix, start_revision)) as batches:
-            async for batch in batches:
-                yield batch
-
-
 async def test_a_follower_rides_out_a_failed_watch_and_a_failed_reload(
     etcd_server: EtcdServer, store: Store, etcd_prefix: str
 ) -> None:
@@ -1008,7 +974,7 @@ async def test_a_follower_rides_out_a_failed_watch_and_a_failed_reload(
     topic = TopicName("acme", "ns", f"t{uuid.uuid4().hex[:12]}")
     layout = initial_layout(1)
     revision = await store.put(keys.layout(topic), json.dumps(layout_to_json(layout)).encode())
-    failing = _FailingStore(store)
+    failing = FailingStore(store)
     follower = client_module._TopicFollower(
         cast(Store, failing), keys, topic, client_module._Signal(), None
     )

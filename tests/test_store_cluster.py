@@ -7,7 +7,7 @@ open and silent, and the view would stop while the cluster goes on.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import anyio
 import pytest
@@ -75,9 +75,11 @@ async def _serving(cluster: EtcdCluster, watches: _Watches, value: int, writer: 
     return serving[0]
 
 
-async def test_a_watch_on_a_member_cut_off_from_the_quorum_resumes_on_another(
-    cluster: EtcdCluster, everywhere: Store
+async def _resumes_elsewhere(
+    cluster: EtcdCluster, everywhere: Store, fault: Callable[[int], None], within: float
 ) -> None:
+    """``fault`` one member serving a watch; every watch then sees what the others
+    commit, within ``within`` seconds, after resuming on another member."""
     rev = await everywhere.put(PREFIX + "x", b"0")
     watches = _Watches(everywhere, rev + 1)
     async with anyio.create_task_group() as tg:
@@ -86,36 +88,29 @@ async def test_a_watch_on_a_member_cut_off_from_the_quorum_resumes_on_another(
         bad = await _serving(cluster, watches, 1, everywhere)
         healthy = (bad + 1) % cluster.size
         async with open_store([cluster.endpoints[healthy]], timeout=2.0) as writer:
-            cluster.isolate(bad)
-            # The cut-off member's watches see nothing of these writes, which the
-            # quorum commits; without "hasleader" they never error, and wait for ever.
+            fault(bad)
             for value in range(2, 12):
                 await writer.put(PREFIX + "x", str(value).encode())
-            await wait_until(lambda: watches.all_saw(11), within=30)
+            await wait_until(lambda: watches.all_saw(11), within=within)
         tg.cancel_scope.cancel()
     assert watches.reconnects >= 1
+
+
+async def test_a_watch_on_a_member_cut_off_from_the_quorum_resumes_on_another(
+    cluster: EtcdCluster, everywhere: Store
+) -> None:
+    """The cut-off member's watches see nothing of what the quorum commits; without
+    "hasleader" they never error, and wait for as long as the partition lasts."""
+    await _resumes_elsewhere(cluster, everywhere, cluster.isolate, within=30)
 
 
 async def test_a_watch_on_a_frozen_member_resumes_on_another(
     cluster: EtcdCluster, everywhere: Store
 ) -> None:
-    rev = await everywhere.put(PREFIX + "x", b"0")
-    watches = _Watches(everywhere, rev + 1)
-    async with anyio.create_task_group() as tg:
-        for i in range(WATCHES):
-            tg.start_soon(watches.run, i)
-        bad = await _serving(cluster, watches, 1, everywhere)
-        healthy = (bad + 1) % cluster.size
-        async with open_store([cluster.endpoints[healthy]], timeout=2.0) as writer:
-            cluster.pause(bad)
-            for value in range(2, 12):
-                await writer.put(PREFIX + "x", str(value).encode())
-            # Only an unanswered keep-alive ping shows a frozen member (its TCP
-            # connections stay open): 10 s to ping, 5 s for the ack, then resume.
-            # Before the ping settings this took 68-130 s.
-            await wait_until(lambda: watches.all_saw(11), within=40)
-        tg.cancel_scope.cancel()
-    assert watches.reconnects >= 1
+    """Only an unanswered keep-alive ping shows a frozen member (its TCP connections
+    stay open): 10 s to the next ping, 5 s for the ack, then resume. Before the
+    ping settings this took 68-130 s."""
+    await _resumes_elsewhere(cluster, everywhere, cluster.pause, within=40)
 
 
 async def test_a_watch_on_a_member_without_a_leader_waits_and_resumes_when_it_rejoins(

@@ -36,15 +36,24 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import anyio
 import pytest
 from etcd3aio import Etcd3Client
 
-from controllerd.adapters.store import Store, open_store
+from controllerd.adapters.store import (
+    KeyValue,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    WatchEvent,
+    open_store,
+)
 
 ETCD_BINARY = "/usr/bin/etcd"
 #: Seconds to wait for etcd to answer /health after (re)start; it needs ~0.3 s.
@@ -339,3 +348,35 @@ async def compact(endpoint: str, revision: int) -> None:
     async with Etcd3Client([endpoint.removeprefix("http://")]) as client:
         assert client.kv is not None
         await client.kv.compact(revision, physical=True)
+
+
+class FailingStore:
+    """The real store, except that the first watch waits for ``release`` and then
+    fails with an error etcd can answer but a test cannot provoke on demand (the
+    watch cancelled), and the first read after ``fail_reads`` is set fails as an
+    unreachable etcd does. Pass it where a :class:`Store` is expected with
+    ``cast(Store, failing)``: it has only ``get_prefix`` and ``watch_prefix``."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.release = anyio.Event()
+        self.watches = 0
+        self.fail_reads = False
+        self.failed_reads = 0
+
+    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        if self.fail_reads and not self.failed_reads:
+            self.failed_reads += 1
+            raise StoreUnavailable("KV.Range: etcd unavailable for 0.5s (injected)")
+        return await self.store.get_prefix(prefix)
+
+    async def watch_prefix(
+        self, prefix: str, start_revision: int
+    ) -> AsyncGenerator[list[WatchEvent], None]:
+        self.watches += 1
+        if self.watches == 1:
+            await self.release.wait()
+            raise StoreError("watch cancelled by etcd: injected")
+        async with aclosing(self.store.watch_prefix(prefix, start_revision)) as batches:
+            async for batch in batches:
+                yield batch
