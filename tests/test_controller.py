@@ -238,11 +238,16 @@ async def test_malformed_layout_and_load_records_are_skipped_and_counted(
         other = TopicName("acme", "ns", "broken")
         await h.store.put(h.keys.layout(other), b'{"segments": "nope"}')
         await h.store.put(h.keys.load(TOPIC, 0), b'{"msgRateIn": "very hot"}')
+        await h.store.put(h.keys.load(TOPIC, 1), b"\xff not JSON")
+        # the label says why, in a word (the log line says what exactly)
         await eventually(
-            lambda: h.count("controllerd_load_records_rejected_total", reason="load") == 1
+            lambda: h.count("controllerd_load_records_rejected_total", reason="invalid") == 1
         )
         await eventually(
-            lambda: h.count("controllerd_layouts_rejected_total", reason="layout") == 1
+            lambda: h.count("controllerd_load_records_rejected_total", reason="unparsable") == 1
+        )
+        await eventually(
+            lambda: h.count("controllerd_layouts_rejected_total", reason="invalid") == 1
         )
         assert h.controller.view.topics[other].layout is None
         await h.put_load(0, HOT)  # the controller carries on

@@ -600,13 +600,20 @@ class Change(NamedTuple):
     segment: int | None = None
 
 
+#: Why a value was skipped, in a few words fit for a metric label: not JSON at all
+#: (or not UTF-8), or JSON that breaks the schema or an invariant of its kind.
+REJECT_CAUSES: Final = ("unparsable", "invalid")
+
+
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """A value that was skipped; ``kind`` is one of :data:`KEY_KINDS` (a metric label)."""
+    """A value that was skipped; ``kind`` is one of :data:`KEY_KINDS` and ``cause`` one
+    of :data:`REJECT_CAUSES` (metric labels); ``reason`` says what exactly (a log field)."""
 
     key: str
     kind: str
     reason: str
+    cause: str = "invalid"
 
 
 Outcome = Change | Rejected | None
@@ -662,6 +669,10 @@ def _long(value: Any, what: str) -> int:
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _cause(exc: BaseException) -> str:
+    return "unparsable" if isinstance(exc, orjson.JSONDecodeError) else "invalid"
 
 
 def _reason(exc: BaseException) -> str:
@@ -842,7 +853,7 @@ class MetadataView:
                 self._keep_subscription(key)
             elif kind == "cooldown":
                 self._drop_controller_value(key)
-            return Rejected(key, kind, _reason(exc))
+            return Rejected(key, kind, _reason(exc), _cause(exc))
         return None
 
     def _apply_delete(self, key: str) -> Outcome:
@@ -854,7 +865,7 @@ class MetadataView:
             if key.startswith(self._pulsar_policies_prefix):
                 return self._delete_pulsar_policies(key)
         except Exception as exc:  # the boundary, as for puts
-            return Rejected(key, self.kind_of(key), _reason(exc))
+            return Rejected(key, self.kind_of(key), _reason(exc), _cause(exc))
         return None
 
     def kind_of(self, key: str) -> str:

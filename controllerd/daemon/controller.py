@@ -436,11 +436,15 @@ class Controller:
         if isinstance(outcome, Rejected):
             self._metrics.metadata_rejected.labels(kind=outcome.kind).inc()
             if outcome.kind == "load":
-                self._metrics.load_records_rejected.labels(reason=outcome.kind).inc()
+                self._metrics.load_records_rejected.labels(reason=outcome.cause).inc()
             elif outcome.kind == "layout":
-                self._metrics.layouts_rejected.labels(reason=outcome.kind).inc()
+                self._metrics.layouts_rejected.labels(reason=outcome.cause).inc()
             log.warning(
-                "metadata.rejected", key=outcome.key, kind=outcome.kind, reason=outcome.reason
+                "metadata.rejected",
+                key=outcome.key,
+                kind=outcome.kind,
+                cause=outcome.cause,
+                reason=outcome.reason,
             )
             return
         if outcome.kind == "layout" and outcome.topic is not None:

@@ -37,7 +37,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from controllerd.core.model import RATE_NAMES
-from controllerd.core.view import KEY_KINDS
+from controllerd.core.view import KEY_KINDS, REJECT_CAUSES
 
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
@@ -187,13 +187,13 @@ class Metrics:
         )
         self.load_records_rejected: Final = Counter(
             "controllerd_load_records_rejected_total",
-            "Malformed load records skipped, by reason.",
+            "Malformed load records skipped, by reason (unparsable|invalid).",
             ["reason"],
             registry=r,
         )
         self.layouts_rejected: Final = Counter(
             "controllerd_layouts_rejected_total",
-            "Malformed or invariant-violating layouts skipped, by reason.",
+            "Malformed or invariant-violating layouts skipped, by reason (unparsable|invalid).",
             ["reason"],
             registry=r,
         )
@@ -231,6 +231,12 @@ class Metrics:
             "controllerd_config_reloads_total",
             "SIGHUP config reloads, by outcome (ok|invalid).",
             ["outcome"],
+            registry=r,
+        )
+        self.config_last_reload_ok: Final = Gauge(
+            "controllerd_config_last_reload_successful",
+            "1 if the config in use is what the file holds (started with it, or the last "
+            "SIGHUP reload was valid); 0 after an invalid reload, until a valid one.",
             registry=r,
         )
         self.audit_messages: Final = Counter(
@@ -320,6 +326,7 @@ class Metrics:
             self.audit_messages.labels(outcome=outcome)
         for outcome in RELOAD_OUTCOMES:
             self.config_reloads.labels(outcome=outcome)
+        self.config_last_reload_ok.set(1)  # the config started with was valid
         for action, reasons in DECISION_REASONS.items():
             for reason in reasons:
                 self.decisions.labels(action=action, reason=reason)
@@ -328,6 +335,9 @@ class Metrics:
                 self.operations.labels(op=op, outcome=outcome)
         for kind in METADATA_KINDS:
             self.metadata_rejected.labels(kind=kind)
+        for cause in REJECT_CAUSES:
+            self.load_records_rejected.labels(reason=cause)
+            self.layouts_rejected.labels(reason=cause)
         for kind in OPERATOR_ERROR_KINDS:
             self.operator_errors.labels(kind=kind)
         self.set_readiness("starting")
