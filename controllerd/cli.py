@@ -395,8 +395,8 @@ COMMAND_EXITS: Final[Mapping[str, tuple[int, ...]]] = {
     "demo": (2, 3),
     "refbroker": (2, 3),
     "completion": (2,),
-    "backtest": (2,),
-    "tune": (2,),
+    "backtest": (2, 3),
+    "tune": (2, 3),
     "record": (2, 3),
 }
 

@@ -28,9 +28,10 @@ EXIT_INTERRUPTED: Final = 130
 
 EXIT_STATUSES: Final[Mapping[int, str]] = {
     EXIT_OK: "success (run: stopped on request)",
-    EXIT_FAILED: "a check failed (check-config: errors found; status: no leader)",
+    EXIT_FAILED: "a check failed (check-config: errors found; status: no leader), or "
+    "standard output closed early (| head)",
     EXIT_USAGE: "bad usage, an invalid config or input file, or a setting that cannot work",
-    EXIT_UNAVAILABLE: "etcd, Kafka or the broker unreachable, or it refused our credentials",
+    EXIT_UNAVAILABLE: "etcd, Kafka, the broker or Spark unreachable, or it refused our credentials",
     EXIT_SOFTWARE: "internal error (a bug: please report it)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }

@@ -181,6 +181,7 @@ async def test_sighup_reloads_a_valid_config_and_keeps_the_old_on_an_invalid_one
         ) >= 1
 
     await wait_until(decided)
+    assert await leader.metric("controllerd_config_last_reload_successful") == 1
     leader.config.write_text(original + "\n[policy]\nmin_segments = 0\n", encoding="utf-8")
     leader.signal(signal.SIGHUP)
 
@@ -189,6 +190,7 @@ async def test_sighup_reloads_a_valid_config_and_keeps_the_old_on_an_invalid_one
 
     await wait_until(rejected)
     assert leader.alive() and cluster.splits() == 0
+    assert await leader.metric("controllerd_config_last_reload_successful") == 0
     events = [e for e in leader.log_events() if e.get("event") == "config.reload.rejected"]
     assert any("policy.min_segments" in err for err in events[-1]["errors"])
 
@@ -201,6 +203,7 @@ async def test_sighup_reloads_a_valid_config_and_keeps_the_old_on_an_invalid_one
         return (await leader.metric("controllerd_config_reloads_total", outcome="ok")) == 1
 
     await wait_until(reloaded)
+    assert await leader.metric("controllerd_config_last_reload_successful") == 1
     await cluster.put_load(0, 5_001.0)  # the new threshold applies to the next evaluation
 
     async def split() -> bool:

@@ -160,6 +160,7 @@ class Daemon:
             else:  # a file we could not judge is refused too: the previous config stays
                 errors = [f"{self.config_path}: {type(exc).__name__}: {exc}"]
             self.metrics.config_reloads.labels(outcome="invalid").inc()
+            self.metrics.config_last_reload_ok.set(0)
             self.metrics.operator_errors.labels(kind="config-reload").inc()
             log.error(
                 "config.reload.rejected", path=self.config_path, errors=errors, kept="previous"
@@ -173,6 +174,7 @@ class Daemon:
             self._broker_auth_error = None  # a new token deserves a new try
         configure_logging(self.config.logging.level, self.config.logging.format)
         self.metrics.config_reloads.labels(outcome="ok").inc()
+        self.metrics.config_last_reload_ok.set(1)
         log.info("config.reloaded", path=self.config_path, restart_required=restart or None)
         if restart:
             log.warning(
