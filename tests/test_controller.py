@@ -222,6 +222,14 @@ async def test_failed_split_releases_the_guard_burns_no_cooldown_and_retries(
         assert active_count(h) == 1
         assert await h.store.get(h.keys.cooldown(TOPIC)) is None
         assert h.controller.view.topics[TOPIC].cooldown is None
+        # Another trigger during the backoff decides again, says so, acts on nothing.
+        with structlog.testing.capture_logs() as logs:
+            await h.put_load(0, HOT - 1)
+            await eventually(lambda: any(e["event"] == "decision.deferred" for e in logs))
+        (deferred,) = [e for e in logs if e["event"] == "decision.deferred"]
+        assert (deferred["action"], deferred["topic"]) == ("split", str(TOPIC))
+        assert h.count("controllerd_decisions_total", action="split", reason="msgRateIn") == 1
+        assert h.requests("/split/") == 1
         await h.clock.advance(1.0)  # the retry backoff, not the 60 s tick
         await eventually(
             lambda: h.count("controllerd_operations_total", op="split", outcome="ok") == 1

@@ -1023,7 +1023,15 @@ class Controller:
             )
         if not isinstance(decision, NoAction) and self._backing_off(topic):
             # A failed operation's backoff holds: its retry timer comes back for the
-            # topic. Other triggers (load records, ticks) must not shortcut it.
+            # topic. Other triggers (load records, ticks) must not shortcut it. Not
+            # counted: the decision is made, and counted, when the retry comes.
+            log.debug(
+                "decision.deferred",
+                topic=str(topic),
+                action=decision.action,
+                reason=decision.reason,
+                retry_in_s=round(self._attempts[topic].retry_at - self._clock.monotonic(), 3),
+            )
             return None
         self._count(topic, decision)
         self._note_quiet(state, decision, policy, samples)
