@@ -29,6 +29,7 @@ from controllerd import config as config_mod
 from controllerd.adapters.secrets import config_file_errors
 from controllerd.core import layout as layout_mod
 from controllerd.core.model import (
+    SUBSCRIPTION_TYPES,
     LoadSample,
     ModelError,
     decision_to_json,
@@ -163,7 +164,13 @@ def parse_consumers(obj: Any, path: str) -> dict[str, int]:
     for sub, entry in obj.items():
         kind, count = "STREAM", entry
         if isinstance(entry, Mapping):
-            kind, count = str(entry.get("type", "STREAM")).upper(), entry.get("consumers")
+            kind, count = entry.get("type", "STREAM"), entry.get("consumers")
+            kind = kind.upper() if isinstance(kind, str) else kind
+            if kind not in SUBSCRIPTION_TYPES:
+                raise InputError(
+                    f"consumers {path}: {sub}: type {kind!r} is not one of "
+                    + ", ".join(SUBSCRIPTION_TYPES)
+                )
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise InputError(
                 f"consumers {path}: {sub}: expected a consumer count >= 0, got {count!r}"
@@ -183,6 +190,17 @@ def _parse_layout(obj: Any, path: str) -> Any:
 
 
 def cmd_decide(args: argparse.Namespace) -> int:
+    from_stdin = [
+        f"--{name}" for name in ("layout", "load", "consumers") if getattr(args, name) == STDIN
+    ]
+    if args.config == STDIN:
+        from_stdin.append("--config")
+    if len(from_stdin) > 1:  # the second would read an empty stream ("not JSON")
+        raise OperatorError(
+            f"only one input can be read from stdin ('-'), got {' and '.join(from_stdin)}",
+            exit_code=EXIT_USAGE,
+            setting=from_stdin[1],
+        )
     try:
         topic_layout = _parse_layout(_read_json(args.layout, "layout"), _display(args.layout))
         loads = parse_loads(_read_json(args.load, "load"), _display(args.load))

@@ -95,6 +95,21 @@ def _positive(prefix: str, name: str, value: float, *, finite: bool = True) -> l
     return []
 
 
+#: Longest request timeout accepted: longer is a hang, not a timeout, and grpc turns
+#: a deadline past ~1e9 s into an immediate DEADLINE_EXCEEDED on every etcd call.
+MAX_REQUEST_TIMEOUT: Final = 3600.0
+
+
+def _request_timeout(prefix: str, name: str, value: float) -> list[str]:
+    errs = _positive(prefix, name, value)
+    if not errs and value > MAX_REQUEST_TIMEOUT:
+        errs.append(
+            f"{prefix}.{name}: must be <= {MAX_REQUEST_TIMEOUT:g} (got {_show(value)}; "
+            "a request that long is a hang)"
+        )
+    return errs
+
+
 def _at_least(prefix: str, name: str, value: float, low: float) -> list[str]:
     if not value >= low:
         return [f"{prefix}.{name}: must be >= {_show(low)} (got {_show(value)})"]
@@ -220,7 +235,7 @@ class EtcdSettings:
                 f"{self.controller_prefix!r}; the leader key under it goes in an HTTP header)"
             )
         errs += _cert_pair(prefix, self.cert_file, self.key_file)
-        errs += _positive(prefix, "timeout_seconds", self.timeout_seconds)
+        errs += _request_timeout(prefix, "timeout_seconds", self.timeout_seconds)
         return errs
 
 
@@ -316,7 +331,7 @@ class BrokerSettings:
             *_http_url(prefix, "admin_url", self.admin_url),
             *_one_of(prefix, "profile", self.profile, BROKER_PROFILES),
             *_cert_pair(prefix, self.cert_file, self.key_file),
-            *_positive(prefix, "timeout_seconds", self.timeout_seconds),
+            *_request_timeout(prefix, "timeout_seconds", self.timeout_seconds),
             *_at_least(prefix, "max_retries", self.max_retries, 0),
         ]
 
@@ -675,7 +690,9 @@ def load(text: str, env: Mapping[str, str] | None = None) -> Config:
     defaults), but a rule about a field that already has a type error is not reported.
     """
     try:
-        data = tomllib.loads(text)
+        # A byte-order mark (some Windows editors write one) is not TOML; skip it
+        # rather than refuse "invalid statement (line 1, column 1)".
+        data = tomllib.loads(text.removeprefix("\ufeff"))
     except (ValueError, RecursionError) as exc:
         # TOMLDecodeError is a ValueError; so is an integer of more than 4,300 digits,
         # and nesting thousands deep exhausts the parser's recursion.
@@ -714,8 +731,11 @@ EMPTY_FILE: Final = (
 
 
 def is_empty(text: str) -> bool:
-    """Nothing but blanks and comments (see :func:`load_file`)."""
-    return not any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines())
+    """Nothing but blanks and comments (see :func:`load_file`); a byte-order mark is blank."""
+    return not any(
+        line.strip() and not line.lstrip().startswith("#")
+        for line in text.removeprefix("\ufeff").splitlines()
+    )
 
 
 def _plain(value: Any) -> Any:

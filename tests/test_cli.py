@@ -146,6 +146,9 @@ def test_config_and_topic_override_apply(
         ("load", [1, 2], "object"),
         ("consumers", {"s": -1}, "consumer count"),
         ("consumers", {"s": "many"}, "consumer count"),
+        # a typo counted as STREAM: a consumer-count split that QUEUE would not make
+        ("consumers", {"s": {"type": "QUEUEE", "consumers": 12}}, "'QUEUEE' is not one of"),
+        ("consumers", {"s": {"type": 7, "consumers": 12}}, "type 7 is not one of"),
     ],
 )
 def test_malformed_input_exits_2_with_a_clear_message(
@@ -688,3 +691,14 @@ def test_an_environment_value_that_is_not_utf8_is_refused_naming_it(tmp_path: Pa
     assert proc.returncode == 1
     line = one_line(proc)
     assert "cluster.name: is not valid UTF-8 text (from CONTROLLERD_CLUSTER__NAME)" in line
+
+
+def test_decide_reads_at_most_one_input_from_stdin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The second '-' read an empty stream and was blamed for not being JSON."""
+    code, _, err = run(capsys, "decide", "--layout", "-", "--load", "-", "--now-ms", "0")
+    assert code == 2
+    assert err.strip() == (
+        "controllerd: only one input can be read from stdin ('-'), got --layout and --load"
+    )

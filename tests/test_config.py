@@ -16,7 +16,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controllerd import config as cfg
-from controllerd.config import Config, ConfigError, load, load_file, restart_required, to_dict
+from controllerd.config import (
+    Config,
+    ConfigError,
+    is_empty,
+    load,
+    load_file,
+    restart_required,
+    to_dict,
+)
 from controllerd.core.model import PolicySettings, Rates
 
 REFERENCE = Path(__file__).resolve().parent.parent / "config" / "controllerd.toml"
@@ -185,6 +193,10 @@ INVALID = [
     ('[etcd]\nmetadata_prefix = "/pulsar/"', "etcd.metadata_prefix"),
     ('[etcd]\nkey_file = "/k.pem"', "etcd.cert_file"),
     ("[etcd]\ntimeout_seconds = 0", "etcd.timeout_seconds"),
+    # past ~1e9 s grpc failed every etcd call at once; check-config said ok
+    ("[etcd]\ntimeout_seconds = 1e10", "etcd.timeout_seconds"),
+    ("[etcd]\ntimeout_seconds = 3600.5", "etcd.timeout_seconds"),
+    ("[broker]\ntimeout_seconds = 1e300", "broker.timeout_seconds"),
 ]
 
 
@@ -554,3 +566,17 @@ def test_audit_addresses_and_topic_are_checked_at_start(
     assert err.startswith(message)
     for servers in ("k1:9092, k2:9093", "kafka", "k1,k2", "[::1]", "[::1]:9092"):
         assert cfg.AuditSettings(kafka_bootstrap=servers, topic="a.b_c-1").errors() == []
+
+
+def test_request_timeouts_up_to_an_hour_are_accepted() -> None:
+    config = load("[etcd]\ntimeout_seconds = 3600\n[broker]\ntimeout_seconds = 3600")
+    assert (config.etcd.timeout_seconds, config.broker.timeout_seconds) == (3600, 3600)
+
+
+def test_a_byte_order_mark_is_skipped() -> None:
+    """Refused before as "invalid TOML: Invalid statement (line 1, column 1)"."""
+    assert load("\ufeff[etcd]\ntimeout_seconds = 3").etcd.timeout_seconds == 3
+
+
+def test_a_file_of_only_a_byte_order_mark_is_empty() -> None:
+    assert is_empty("\ufeff") and is_empty("\ufeff# a comment\n")

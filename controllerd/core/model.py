@@ -22,6 +22,9 @@ HASH_MAX: Final = 0xFFFF
 HASH_SPACE: Final = HASH_MAX + 1
 
 RATE_NAMES: Final = ("msgRateIn", "byteRateIn", "msgRateOut", "byteRateOut")
+#: Subscription types a subscription key may name (upper case); QUEUE consumers do
+#: not count towards the consumer-count split (DESIGN §6).
+SUBSCRIPTION_TYPES: Final = ("STREAM", "QUEUE", "CHECKPOINT")
 """Canonical names of the four load rates, in Pulsar's evaluation order."""
 
 

@@ -45,6 +45,7 @@ import orjson
 
 from controllerd.core.layout import check
 from controllerd.core.model import (
+    SUBSCRIPTION_TYPES,
     Layout,
     LoadSample,
     ModelError,
@@ -968,8 +969,11 @@ class MetadataView:
                 raw = parse_json(value) if value.strip() else {}
                 kind = raw.get("type", "STREAM") if isinstance(raw, dict) else None
                 kind = kind.upper() if isinstance(kind, str) else kind
-                if kind not in ("STREAM", "QUEUE", "CHECKPOINT"):
-                    raise ModelError(f"subscription type {_show(kind)} is not STREAM or QUEUE")
+                if kind not in SUBSCRIPTION_TYPES:
+                    raise ModelError(
+                        f"subscription type {_show(kind)} is not one of "
+                        + ", ".join(SUBSCRIPTION_TYPES)
+                    )
                 state = self.topic(name)
                 changed = state.subscriptions.get(sub) != kind
                 state.subscriptions[sub] = kind
