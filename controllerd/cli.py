@@ -332,9 +332,9 @@ def _isatty(stream: Any) -> bool:
 def cmd_refbroker(args: argparse.Namespace) -> int:
     from controllerd.refbroker.main import cmd_refbroker as refbroker
 
-    if args.config:
-        load_config(args.config, exit_code=EXIT_USAGE)
-    result: int = refbroker(args)
+    # loaded once here: stdin ('-') cannot be read twice
+    config = load_config(args.config, exit_code=EXIT_USAGE) if args.config else None
+    result: int = refbroker(args, config)
     return result
 
 

@@ -707,21 +707,35 @@ def load(text: str, env: Mapping[str, str] | None = None) -> Config:
     return config
 
 
-def load_file(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
-    """:func:`load` of a file; an unreadable, non-UTF-8 or empty file is a ConfigError too.
+#: A config path that means standard input (read once: keep the Config).
+STDIN: Final = "-"
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """The config text at ``path`` (:data:`STDIN`: standard input); ConfigError, naming
+    the file once, when it is unreadable, not UTF-8 or empty.
 
     An empty file (nothing but blanks and comments) is refused: it is almost
     always a truncated write or a failed template, and taken as valid it would
     silently reset every setting to its default on the next SIGHUP (issue #10).
     """
+    import sys
+
+    shown = "<stdin>" if str(path) == STDIN else str(path)
     try:
-        text = read_regular(path).decode("utf-8")
+        raw = sys.stdin.buffer.read() if str(path) == STDIN else read_regular(path)
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ConfigError([f"{path}: cannot read config file: {reason}"]) from None
+        raise ConfigError([f"{shown}: cannot read config file: {reason}"]) from None
     if is_empty(text):
-        raise ConfigError([f"{path}: {EMPTY_FILE}"])
-    return load(text, env)
+        raise ConfigError([f"{shown}: {EMPTY_FILE}"])
+    return text
+
+
+def load_file(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
+    """:func:`load` of :func:`read_text`; its errors are ConfigErrors too."""
+    return load(read_text(path), env)
 
 
 EMPTY_FILE: Final = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 import socket
@@ -516,3 +517,98 @@ def test_a_spark_backtest_lists_each_recorded_history_once(
     assert listings == [str(history.resolve())]
     assert [c["topics"] for c in calls] == [None, ["t/n/b"]]
     assert all(c["listed"] == {"t/n/a", "t/n/b"} for c in calls)
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [("backtest", "--variants"), ("tune", "--grid")],
+    ids=["backtest", "tune"],
+)
+@pytest.mark.parametrize(
+    "body",
+    [
+        "policy.max_segments = " + "9" * 5000,  # int('9' * 5000) raises ValueError
+        "x = " + "[" * 5000 + "]" * 5000,  # the parser's RecursionError
+        "policy.merge_window_seconds = 1" + "0" * 400,  # float(value): OverflowError
+    ],
+    ids=["huge-integer", "deep-nesting", "float-overflow"],
+)
+def test_a_variants_file_the_parser_chokes_on_exits_2_naming_file_and_option(
+    tmp_path: Path,
+    traces: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    option: str,
+    body: str,
+) -> None:
+    """Each was an internal error (exit 70)."""
+    variants = tmp_path / "v.toml"
+    variants.write_text(f"[variants.a]\n{body}\n", encoding="utf-8")
+    out = str(tmp_path / "out")
+    assert main([command, "--traces", str(traces), option, str(variants), "--out", out]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"controllerd: {variants}: ") and line.endswith(f"(setting: {option})")
+    assert "internal error" not in line and line.count(str(variants)) == 1
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [("backtest", "--variants"), ("tune", "--grid")],
+    ids=["backtest", "tune"],
+)
+def test_an_unreadable_variants_file_is_named_once(
+    tmp_path: Path, traces: Path, capsys: pytest.CaptureFixture[str], command: str, option: str
+) -> None:
+    """It read 'nope.toml: nope.toml: cannot read: [Errno 2] ...'."""
+    missing = tmp_path / "nope.toml"
+    out = str(tmp_path / "out")
+    assert main([command, "--traces", str(traces), option, str(missing), "--out", out]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"controllerd: {missing}: cannot read: No such file or directory (setting: {option})"
+    ]
+
+
+def test_traces_that_name_a_device_say_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``/dev/null`` was 'no such file or directory'."""
+    assert main(["backtest", "--traces", "/dev/null", "--out", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("controllerd: /dev/null: not a regular file or a directory"), line
+
+
+def test_record_names_an_unreadable_config_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It read 'nope.toml: nope.toml: cannot read config file: ...'."""
+    missing = tmp_path / "nope.toml"
+    assert main(["record", "--config", str(missing), "--out", str(tmp_path / "h")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"controllerd: {missing}: cannot read config file: No such file or directory "
+        "(setting: --config)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stdin", "message"),
+    [
+        ('[etcd]\nca_file = "/nonexistent/ca.pem"\n', "<stdin>: etcd.ca_file: cannot read"),
+        ("[etcd]\ntimeout_seconds = -1\n", "<stdin>: etcd.timeout_seconds: must be > 0"),
+        ("# nothing\n", "<stdin>: config file is empty"),
+    ],
+    ids=["read-and-checked", "invalid", "empty"],
+)
+def test_record_reads_its_config_from_stdin_given_dash(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    stdin: str,
+    message: str,
+) -> None:
+    """As check-config and status take ``-``; it was '-: -: cannot read config file'."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode("utf-8"))))
+    out = tmp_path / "h"
+    assert main(["record", "--config", "-", "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"controllerd: {message}") and line.endswith("(setting: --config)")
+    assert not out.exists()

@@ -113,6 +113,17 @@ def test_a_file_that_is_not_utf8_text_is_refused_naming_it(tmp_path: Path) -> No
         discover([tmp_path], TraceOptions())
 
 
+@pytest.mark.parametrize("header", ["", "timestamp,value\n"], ids=["headerless", "header"])
+def test_a_byte_order_mark_loses_no_row(tmp_path: Path, header: str) -> None:
+    """A headerless file's BOM glued to its first date made the row look like a header:
+    the row was dropped without a word."""
+    rows = "2015-02-26 21:42:53,5\n2015-02-26 21:47:53,10\n"
+    marked = tmp_path / "marked.csv"
+    marked.write_bytes(("\ufeff" + header + rows).encode("utf-8"))
+    trace = import_csv(marked, TraceOptions())
+    assert [r[0] for r in trace.rates] == [20_000.0, 40_000.0]  # both rows, peak 4 x 10k
+
+
 def test_max_hours_that_keeps_no_row_is_refused(tmp_path: Path) -> None:
     csv = write(tmp_path / "t.csv", "3600,1\n7200,2\n")
     assert len(import_csv(csv, TraceOptions(max_hours=0.5)).t_ms) == 1
@@ -128,6 +139,9 @@ def test_discover_reads_a_directory_and_refuses_duplicate_names(tmp_path: Path) 
         discover([tmp_path, tmp_path / "a.csv"], TraceOptions())
     with pytest.raises(TraceError, match="no such file"):
         discover([tmp_path / "missing"], TraceOptions())
+    # a device was "no such file or directory" too
+    with pytest.raises(TraceError, match=r"^/dev/null: not a regular file or a directory"):
+        discover(["/dev/null"], TraceOptions())
 
 
 def test_the_shared_nab_traces_import() -> None:

@@ -350,3 +350,39 @@ def test_the_shipped_grid_chooses_the_shipped_defaults_and_holds_out_of_sample(
     assert per_set(loto, "aws", 5).endswith("| **yes** |")
     assert per_set(group, "aws", 5).endswith("| **yes** |")
     assert "vs 818 ❌" in per_set(group, "nab", 8)
+
+
+def test_two_traces_paths_of_one_name_are_two_sets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--traces x1 y/x1 --cv group`` keyed both by ``x1``: one set, not two folds."""
+    monkeypatch.chdir(tmp_path)
+    for folder, name in (("x1", "a"), ("y/x1", "b"), ("x2", "c")):
+        (tmp_path / folder).mkdir(parents=True)
+        rows = "".join(
+            f"{1_420_070_400 + 300 * i},{500 if i % 17 < 2 else 10}\n" for i in range(48)
+        )
+        (tmp_path / folder / f"{name}.csv").write_text(rows, encoding="utf-8")
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[variants.c]\npreset = "controllerd"\n', encoding="utf-8")
+    argv = ["tune", "--traces", "x1", "y/x1", "x2", "--grid", str(grid), "--cv", "group"]
+    assert run_cli([*argv, "--out", "out", "--workers", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    report = (tmp_path / "out" / "tune.md").read_text(encoding="utf-8")
+    for held_out in (f"{tmp_path.name}/x1", "y/x1", "x2"):  # x2's name needs no parent
+        assert f"| {held_out} | `c` |" in report, report
+
+
+def test_a_set_is_named_by_as_little_of_its_path_as_tells_it_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controllerd.pipeline.cli import set_names
+
+    monkeypatch.chdir(tmp_path)
+    assert set_names(["nab", "data/aws/"]) == ["nab", "aws"]  # as before: the last part
+    assert set_names(["a/b/x1", "c/b/x1", "x1", "x2"]) == [
+        "a/b/x1",
+        "c/b/x1",
+        f"{tmp_path.name}/x1",
+        "x2",
+    ]

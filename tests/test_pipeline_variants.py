@@ -128,3 +128,65 @@ def test_errors_name_the_key(text: str, message: str) -> None:
 def test_the_example_file_loads() -> None:
     names = [v.name for v in load_variants(EXAMPLES)]
     assert {"pip483", "controllerd", "short-window", "static-8"} <= set(names)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[variants.a]\npolicy.max_segments = " + "9" * 5000 + "\n",  # past int('...')'s limit
+        "[variants.a]\ndescription = " + "[" * 5000 + "]" * 5000 + "\n",  # RecursionError
+    ],
+    ids=["huge-integer", "deep-nesting"],
+)
+def test_toml_the_parser_cannot_take_is_invalid_toml_not_an_internal_error(text: str) -> None:
+    """Only TOMLDecodeError was caught: both ended as an internal error (exit 70)."""
+    with pytest.raises(VariantError) as info:
+        parse_variants(text)
+    (error,) = info.value.errors
+    assert error.startswith("invalid TOML: ") and len(error) < 320
+
+
+@pytest.mark.parametrize(
+    ("toml", "setting"),
+    [
+        ("policy.merge_window_seconds = 1" + "0" * 400, "policy.merge_window_seconds"),
+        ("policy.split_thresholds.msg_rate_in = 1" + "0" * 400, "split_thresholds.msg_rate_in"),
+        (f"policy.max_segments = {10**30}", "policy.max_segments"),
+        (f"simulator.initial_segments = {-(2**63) - 1}", "simulator.initial_segments"),
+        (f'grid."policy.max_segments" = [{2**63}]', "policy.max_segments"),
+    ],
+)
+def test_a_number_out_of_the_daemon_config_s_range_is_refused_naming_it(
+    toml: str, setting: str
+) -> None:
+    """A float setting's huge integer raised OverflowError (exit 70); an integer past
+    int64 ran although the daemon's config refuses it."""
+    with pytest.raises(VariantError) as info:
+        parse_variants(f"[variants.a]\n{toml}\n")
+    (error,) = info.value.errors
+    assert error.startswith("variants.a") and f"{setting}: an integer of " in error, error
+    assert error.endswith("bits is out of range")
+
+
+def test_the_largest_numbers_the_daemon_config_takes_are_taken() -> None:
+    (v,) = parse_variants(
+        "[variants.a]\npolicy.max_segments = 9223372036854775807\n"
+        f"policy.split_thresholds.msg_rate_in = {2**1000 - 1}\n"
+    )
+    assert v.strategy.policy.max_segments == 2**63 - 1
+    assert v.strategy.policy.split_thresholds.msg_rate_in == float(2**1000 - 1)
+
+
+def test_a_file_s_errors_name_it_once_and_a_bom_is_no_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(VariantError) as info:
+        load_variants(missing)
+    assert info.value.errors == [f"{missing}: cannot read: No such file or directory"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[variants.a]\npolicy.min_segments = 0\n", encoding="utf-8")
+    with pytest.raises(VariantError) as info:
+        load_variants(bad)
+    assert all(err.startswith(f"{bad}: variants.a.") for err in info.value.errors)
+    marked = tmp_path / "bom.toml"
+    marked.write_text('\ufeff[variants.a]\npreset = "pip483"\n', encoding="utf-8")
+    assert [v.name for v in load_variants(marked)] == ["a"]

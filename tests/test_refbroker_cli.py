@@ -41,10 +41,14 @@ LISTEN_TIMEOUT = 30.0
 
 
 def run(
-    argv: list[str], env: dict[str, str] | None = None, timeout: float = 60
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+    stdin: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         argv,
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -93,6 +97,28 @@ def test_a_missing_token_file_is_one_line(tmp_path: Path) -> None:
     assert done.stderr.splitlines() == [
         f"controllerd: cannot read {missing}: No such file or directory (setting: --token-file)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("stdin", "extra", "message"),
+    [
+        ('[cluster]\nname = "a/b"\n', [], "cluster.name: must be non-empty printable ASCII"),
+        ("", [], "<stdin>: config file is empty"),
+        # a valid config is taken: the next check, of --kafka, is what fails
+        ('[cluster]\nname = "ok"\n', ["--kafka", "no port:x"], "--kafka 'no port:x' is not"),
+    ],
+    ids=["invalid", "empty", "valid"],
+)
+@pytest.mark.parametrize("entry", [REFBROKER, CLI_REFBROKER], ids=["module", "controllerd"])
+def test_config_dash_reads_stdin(
+    stdin: str, extra: list[str], message: str, entry: list[str]
+) -> None:
+    """As check-config and status take ``-``; it was '-: cannot read config file' (and
+    through ``controllerd refbroker``, which checked the config first, found empty)."""
+    done = run([*entry, *broker_args("--config", "-", *extra)[len(REFBROKER) :]], stdin=stdin)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    [line] = done.stderr.splitlines()
+    assert message in line, line  # an invalid config is "<file>: <setting>: ..." there
 
 
 def test_an_empty_token_file_is_one_line(tmp_path: Path) -> None:

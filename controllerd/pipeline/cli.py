@@ -362,13 +362,13 @@ def _inputs(
     histories: list[str] = []
     groups: dict[str, str] = {}
     try:
-        for path in args.traces:
+        for path, label in zip(args.traces, set_names(args.traces), strict=True):
             if defer_history and Path(path).is_dir() and is_history(path):
                 histories.append(str(Path(path).resolve()))
                 continue
             found = discover([path], options)
             traces.extend(found)
-            groups.update({t.name: Path(path).name or str(path) for t in found})
+            groups.update(dict.fromkeys((t.name for t in found), label))
         names = [t.name for t in traces]
         if len(set(names)) != len(names):
             dupes = sorted({n for n in names if names.count(n) > 1})
@@ -376,6 +376,26 @@ def _inputs(
     except TraceError as exc:
         raise OperatorError(str(exc), setting="--traces") from None
     return engines.RunOptions(skew=skew, seed=args.seed), traces, histories, groups
+
+
+def set_names(paths: list[str]) -> list[str]:
+    """The trace set of each ``--traces`` path (``--cv group`` and tune.md name it): its
+    last component, or, where two paths share it, as many trailing components of
+    the absolute path as tell them apart (``x1`` and ``y/x1`` in /data: ``data/x1``,
+    ``y/x1``). Two paths are two sets: sharing a name used to merge them into one."""
+    short = [Path(p).name or p for p in paths]
+    parts = [Path(os.path.abspath(p)).parts for p in paths]
+    names = []
+    for i, path_parts in enumerate(parts):
+        rivals = [parts[j] for j in range(len(paths)) if j != i and short[j] == short[i]]
+        if not rivals:
+            names.append(short[i])
+            continue
+        k = 2
+        while k < len(path_parts) and any(r[-k:] == path_parts[-k:] for r in rivals):
+            k += 1
+        names.append(str(Path(*path_parts[-k:])))
+    return names
 
 
 def _variants(path: str | None, option: str) -> list[Variant]:
@@ -386,10 +406,10 @@ def _variants(path: str | None, option: str) -> list[Variant]:
     try:
         return load_variants(path)
     except VariantError as exc:
-        # Every bad key on its own line: the first carries the status, the rest precede it.
+        # Every bad key on its own line (each names the file): the last carries the status.
         for err in exc.errors[:-1]:
-            print(f"controllerd: {path}: {err}", file=sys.stderr)
-        raise OperatorError(f"{path}: {exc.errors[-1]}", setting=option) from None
+            print(f"controllerd: {err}", file=sys.stderr)
+        raise OperatorError(exc.errors[-1], setting=option) from None
 
 
 def _run_info(
@@ -615,14 +635,17 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise OperatorError("--duration must be > 0", setting="--duration")
     if not args.flush_seconds > 0:
         raise OperatorError("--flush-seconds must be > 0", setting="--flush-seconds")
+    shown = "<stdin>" if path == config_mod.STDIN else path
     try:
-        cfg = config_mod.load_file(path, os.environ)
+        text = config_mod.read_text(path)  # its errors name the file already
+    except config_mod.ConfigError as exc:
+        raise OperatorError(exc.errors[0], setting="--config") from None
+    try:
+        cfg = config_mod.load(text, os.environ)
     except config_mod.ConfigError as exc:
         for err in exc.errors[:-1]:
-            print(f"controllerd: {path}: {err}", file=sys.stderr)
-        raise OperatorError(f"{path}: {exc.errors[-1]}") from None
-    except OSError as exc:
-        raise OperatorError(f"{path}: {exc.strerror or exc}", setting="--config") from None
+            print(f"controllerd: {shown}: {err}", file=sys.stderr)
+        raise OperatorError(f"{shown}: {exc.errors[-1]}", setting="--config") from None
     _require(args)
     from controllerd.adapters.secrets import config_file_errors
     from controllerd.daemon.logs import configure_logging
@@ -631,7 +654,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     configure_logging(cfg.logging.level, cfg.logging.format)
     problems = config_file_errors(cfg)
     if problems:
-        raise OperatorError(f"{path}: {problems[0]}", setting="--config")
+        raise OperatorError(f"{shown}: {problems[0]}", setting="--config")
     out = _out_dir(args.out)
     recorded = anyio.run(record_from_config, cfg, out, args.duration, args.flush_seconds)
     print(recorded.summary())

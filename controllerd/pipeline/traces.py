@@ -99,7 +99,9 @@ def read_series_csv(path: str | Path) -> tuple[list[int], list[float]]:
     first: str | None = None
     line = 0
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
+        # utf-8-sig: a spreadsheet's BOM would otherwise glue to the first cell, and a
+        # headerless file's first date would be taken for a header and lost.
+        with open(path, newline="", encoding="utf-8-sig") as fh:
             reader = csv.reader(fh)
             for row in reader:
                 start, line = line + 1, reader.line_num
@@ -334,6 +336,10 @@ def discover(paths: Iterable[str | Path], options: TraceOptions) -> list[Trace]:
             traces.extend(import_csv(f, options) for f in files)
         elif path.is_file():
             traces.append(import_csv(path, options))
+        elif path.exists():
+            raise TraceError(
+                f"{path}: not a regular file or a directory (a device, pipe or socket)"
+            )
         else:
             raise TraceError(f"{path}: no such file or directory")
     names = [t.name for t in traces]

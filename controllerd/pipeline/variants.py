@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, Final, TypeVar, get_type_hints
 
 from controllerd.config import AutoscaleSettings, GcSettings, LoadReportSettings
-from controllerd.core.model import PULSAR_PARITY, PolicySettings, Rates
+from controllerd.core.model import PULSAR_PARITY, PolicySettings, Rates, shown
+from controllerd.errors import first_line
 from controllerd.pipeline.simulate import Strategy
 
 PULSAR_POLICY: Final = PolicySettings(
@@ -78,6 +79,11 @@ _REPLAYED: Final = {
     "gc": frozenset({"default_retention_seconds"}),
 }
 """The fields of these config tables a replay reads; any other would be silently ignored."""
+_INT_LIMIT: Final = 2**63
+"""An integer setting must fit a signed 64-bit long, as the daemon's config requires."""
+_FLOAT_INT_LIMIT: Final = 2**1000
+"""A larger integer is refused for a float setting, as by the daemon's config (one past
+about 1.8e308 cannot become a float at all)."""
 
 
 class VariantError(ValueError):
@@ -144,8 +150,10 @@ def parse_variants(text: str) -> list[Variant]:
     """Every variant of a variants file, grids expanded, in file order; raises VariantError."""
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise VariantError([f"invalid TOML: {exc}"]) from None
+    except (ValueError, RecursionError) as exc:
+        # As the daemon's config.load: TOMLDecodeError is a ValueError, so is an integer
+        # of more than 4,300 digits, and nesting thousands deep exhausts the parser.
+        raise VariantError([f"invalid TOML: {first_line(exc, 300)}"]) from None
     errs: list[str] = [f"{k}: unknown top-level key" for k in data if k != "variants"]
     tables = data.get("variants")
     if not isinstance(tables, dict) or not tables:
@@ -171,11 +179,17 @@ def parse_variants(text: str) -> list[Variant]:
 
 
 def load_variants(path: str | Path) -> list[Variant]:
+    """:func:`parse_variants` of a file; every error starts with the file's name."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise VariantError([f"{path}: cannot read: {exc}"]) from None
-    return parse_variants(text)
+        text = Path(path).read_text(encoding="utf-8-sig")  # an editor's BOM is no TOML error
+    except OSError as exc:
+        raise VariantError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise VariantError([f"{path}: not UTF-8 text ({exc.reason})"]) from None
+    try:
+        return parse_variants(text)
+    except VariantError as exc:
+        raise VariantError([f"{path}: {err}" for err in exc.errors]) from None
 
 
 def _expand(name: str, table: dict[str, Any], errs: list[str]) -> list[Variant]:
@@ -240,12 +254,14 @@ def _build(where: str, table: Mapping[str, Any], errs: list[str]) -> Strategy | 
     known = {"preset", "static_segments", "description", "grid", *_TABLES}
     errs.extend(f"{where}.{k}: unknown key" for k in table if k not in known)
     if not isinstance(table.get("description", ""), str):
-        errs.append(f"{where}.description: expected a string, got {table['description']!r}")
+        errs.append(f"{where}.description: expected a string, got {shown(table['description'])}")
     name = table.get("preset")
     count = table.get("static_segments")
     if count is not None:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 65536:
-            errs.append(f"{where}.static_segments: expected an integer 1..65536, got {count!r}")
+            errs.append(
+                f"{where}.static_segments: expected an integer 1..65536, got {shown(count)}"
+            )
             return None
         if name is not None:
             errs.append(f"{where}: give preset or static_segments, not both")
@@ -257,7 +273,9 @@ def _build(where: str, table: Mapping[str, Any], errs: list[str]) -> Strategy | 
         try:
             base = preset(str(name))
         except KeyError:
-            errs.append(f"{where}.preset: expected pip483, controllerd or static-N, got {name!r}")
+            errs.append(
+                f"{where}.preset: expected pip483, controllerd or static-N, got {shown(name)}"
+            )
             return None
     before = len(errs)
     policy = _override(base.policy, table.get("policy", {}), f"{where}.policy", errs)
@@ -327,17 +345,26 @@ def _override(
             if isinstance(value, bool):
                 changes[key] = value
             else:
-                errs.append(f"{where}.{key}: expected true or false, got {value!r}")
+                errs.append(f"{where}.{key}: expected true or false, got {shown(value)}")
         elif tp is int:
-            if isinstance(value, int) and not isinstance(value, bool):
+            if isinstance(value, bool) or not isinstance(value, int):
+                errs.append(f"{where}.{key}: expected an integer, got {shown(value)}")
+            elif not -_INT_LIMIT <= value < _INT_LIMIT:  # the daemon's bound (config._convert)
+                errs.append(_out_of_range(f"{where}.{key}", value))
+            else:
                 changes[key] = value
-            else:
-                errs.append(f"{where}.{key}: expected an integer, got {value!r}")
         elif tp is float:
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                changes[key] = float(value)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                errs.append(f"{where}.{key}: expected a number, got {shown(value)}")
+            elif isinstance(value, int) and not abs(value) < _FLOAT_INT_LIMIT:
+                errs.append(_out_of_range(f"{where}.{key}", value))  # float() would overflow
             else:
-                errs.append(f"{where}.{key}: expected a number, got {value!r}")
+                changes[key] = float(value)
         else:
             errs.append(f"{where}.{key}: cannot be varied")
     return dataclasses.replace(base, **changes)  # type: ignore[type-var]
+
+
+def _out_of_range(setting: str, value: int) -> str:
+    """The daemon config's message for an integer it refuses (4,000 digits are no message)."""
+    return f"{setting}: an integer of {value.bit_length()} bits is out of range"

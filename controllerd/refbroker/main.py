@@ -6,7 +6,7 @@ end the process with one line on stderr and the exit status of
 :mod:`controllerd.errors`, never a traceback. SIGTERM stops it with status 0,
 SIGINT (Ctrl-C) with 130, as for every command but ``run``.
 
-The config is ``--config`` (or the defaults) with the ``CONTROLLERD_*``
+The config is ``--config`` (``-``: stdin; none: the defaults) with the ``CONTROLLERD_*``
 overrides of the environment applied, as the daemon loads it: the fencing key
 comes from ``cluster.name``, so both must see the same overrides.
 """
@@ -150,13 +150,14 @@ def _operator_error(exc: BaseException) -> OperatorError | None:
 
 
 def _config(path: str | None) -> config_mod.Config:
-    """``path`` (None: the defaults) with the environment's overrides, as the daemon loads it.
+    """``path`` (None: the defaults; ``-``: stdin) with the environment's overrides, as
+    the daemon loads it. The broker reads its config once, so stdin can serve.
 
     An error names ``--config`` when there is a file; one caused by a variable names it.
     """
     setting = "--config" if path else None
     try:
-        if path:
+        if path:  # "-" is stdin
             return config_mod.load_file(path, os.environ)
         return config_mod.load("", os.environ)
     except config_mod.ConfigError as exc:
@@ -170,8 +171,8 @@ def _seconds(flag: str, value: float) -> float:
     return value
 
 
-def _options(args: argparse.Namespace) -> BrokerOptions:
-    cfg = _config(args.config)
+def _options(args: argparse.Namespace, cfg: config_mod.Config | None = None) -> BrokerOptions:
+    cfg = _config(args.config) if cfg is None else cfg
     # an empty host (":8080", or "8080") is the loopback address, as it always was here
     host_part = args.listen.rpartition(":")[0]
     address = args.listen if host_part else f"127.0.0.1:{args.listen.removeprefix(':')}"
@@ -209,10 +210,14 @@ def _options(args: argparse.Namespace) -> BrokerOptions:
     )
 
 
-def cmd_refbroker(args: argparse.Namespace) -> int:
-    """Run the broker; an operator's mistake is one ``controllerd: ...`` line and its status."""
+def cmd_refbroker(args: argparse.Namespace, config: config_mod.Config | None = None) -> int:
+    """Run the broker; an operator's mistake is one ``controllerd: ...`` line and its status.
+
+    ``config``: ``--config`` as the caller already loaded it (stdin cannot be read twice);
+    None = load it here.
+    """
     try:
-        options = _options(args)
+        options = _options(args, config)
         cfg = options.config
         configure_logging(cfg.logging.level, cfg.logging.format)
         try:
