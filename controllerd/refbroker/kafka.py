@@ -25,15 +25,21 @@ segment would therefore re-create it after GC deleted it. So:
   however many segments GC deletes over a long run;
 * the admin client only lists all topics, creates, deletes and reads group
   offsets, none of which names a topic in a metadata request.
+
+Kafka failing is normal: every admin request is bounded by ``request_timeout``
+(:data:`REQUEST_TIMEOUT`), and whatever aiokafka raises for a Kafka that is
+down, paused or unreachable (its own errors, but also the builtin
+``TimeoutError`` of a request that got no answer, and ``OSError``) comes out as
+:class:`KafkaBackendError`, which the admin API answers 503.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -50,6 +56,13 @@ log = structlog.get_logger("controllerd.refbroker.kafka")
 SAMPLE_LIMIT = 2000
 #: Seconds one read of a segment's tail may take (tansu answers in milliseconds).
 READ_TIMEOUT = 10.0
+#: Seconds one admin request (list, create, delete topics; read a group's offsets) may
+#: take. aiokafka's default is 40 s, and more for a request that first waits for a
+#: connection; half the daemon's ``[broker] timeout_seconds`` (10) instead, so that a
+#: Kafka that does not answer is a 503 the controller receives, not its own timeout.
+REQUEST_TIMEOUT = 5.0
+
+_T = TypeVar("_T")
 
 
 class KafkaBackendError(Exception):
@@ -71,11 +84,17 @@ class Sampled:
 class KafkaBackend:
     """Segment topics in Kafka. Methods are safe to call concurrently."""
 
-    def __init__(self, admin: AIOKafkaAdminClient, reader: AIOKafkaConsumer) -> None:
+    def __init__(
+        self,
+        admin: AIOKafkaAdminClient,
+        reader: AIOKafkaConsumer,
+        request_timeout: float = REQUEST_TIMEOUT,
+    ) -> None:
         # aiokafka logs every assignment at info; the reader assigns twice per call.
         logging.getLogger("aiokafka.consumer.subscription_state").setLevel(logging.WARNING)
         self._admin = admin
         self._reader = reader
+        self._request_timeout = request_timeout
         self._lock = anyio.Lock()  # the reader serves one topic at a time
         #: names this process deleted that a listing may still show (see the module docstring)
         self._deleted: set[str] = set()
@@ -84,16 +103,15 @@ class KafkaBackend:
         """Create one-partition topics; existing ones are fine (the call is retried)."""
         if not names:
             return
+        new = [NewTopic(name, num_partitions=1, replication_factor=1) for name in names]
         async with self._lock:
             self._deleted.difference_update(names)
             try:
-                response = await self._admin.create_topics(
-                    [NewTopic(name, num_partitions=1, replication_factor=1) for name in names]
+                response = await self._ask(
+                    f"create topics {names}", lambda: self._admin.create_topics(new)
                 )
             except TopicAlreadyExistsError:
                 return
-            except KafkaError as exc:
-                raise KafkaBackendError(f"create topics {names}: {exc}") from exc
         for name, code, *_ in getattr(response, "topic_errors", []):
             if code not in (0, TopicAlreadyExistsError.errno):
                 raise KafkaBackendError(f"create topic {name}: error code {code}")
@@ -105,12 +123,19 @@ class KafkaBackend:
             if not await self.exists(name):
                 return False
             try:
-                await self._admin.delete_topics([name])
+                await self._ask(f"delete topic {name}", lambda: self._admin.delete_topics([name]))
             except UnknownTopicOrPartitionError:
                 return False
-            except KafkaError as exc:
-                raise KafkaBackendError(f"delete topic {name}: {exc}") from exc
             return True
+
+    async def topics(self, prefix: str) -> list[str]:
+        """Every topic whose name starts with ``prefix``, from a fresh listing, sorted.
+
+        Topics this process deleted are not among them, even while a listing still
+        shows them (Kafka deletes asynchronously).
+        """
+        listed = await self._listing()
+        return sorted(n for n in listed if n.startswith(prefix) and n not in self._deleted)
 
     async def exists(self, name: str) -> bool:
         """Whether the topic exists, from a listing of all topics (which creates none).
@@ -119,13 +144,33 @@ class KafkaBackend:
         names deleted before it was requested count: an earlier answer may miss a
         topic that was created, and then deleted, while it was on its way.
         """
+        return name in await self._listing()
+
+    async def _listing(self) -> set[str]:
+        """Every topic, from a listing (which creates none); see :meth:`exists`."""
         deleting = set(self._deleted)
-        try:
-            listed = set(await self._admin.list_topics())
-        except KafkaError as exc:
-            raise KafkaBackendError(f"list topics: {exc}") from exc
+        listed = set(await self._ask("list topics", self._admin.list_topics))
         self._deleted.difference_update(deleting - listed)
-        return name in listed
+        return listed
+
+    async def _ask(self, what: str, request: Callable[[], Awaitable[_T]]) -> _T:
+        """One admin request, bounded by ``request_timeout``.
+
+        Raises:
+            TopicAlreadyExistsError, UnknownTopicOrPartitionError: Kafka's answer
+                about the topic, for the caller to judge.
+            KafkaBackendError: anything else Kafka or the connection raised, the
+                builtin TimeoutError of a request without an answer included.
+        """
+        try:
+            with anyio.move_on_after(self._request_timeout):
+                return await request()
+        except (TopicAlreadyExistsError, UnknownTopicOrPartitionError):
+            raise
+        except (KafkaError, OSError) as exc:  # OSError: also aiokafka's own TimeoutError
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise KafkaBackendError(f"{what}: {detail}") from exc
+        raise KafkaBackendError(f"{what}: Kafka did not answer within {self._request_timeout:g}s")
 
     async def end_offset(self, name: str) -> int:
         """The offset after the topic's last record.
@@ -192,7 +237,7 @@ class KafkaBackend:
                 raise TopicGone(f"segment topic {name} does not exist")
             with anyio.fail_after(READ_TIMEOUT) if bounded else contextlib.nullcontext():
                 yield TopicPartition(name, 0)
-        except (KafkaError, TimeoutError) as exc:
+        except (KafkaError, OSError) as exc:  # TimeoutError is an OSError
             raise KafkaBackendError(f"read {name}: {exc!r}") from exc
         finally:
             self._reader.assign([])
@@ -200,10 +245,10 @@ class KafkaBackend:
     async def committed(self, group: str, name: str) -> int | None:
         """The group's committed offset on a segment topic; None when it never committed."""
         tp = TopicPartition(name, 0)
-        try:
-            offsets = await self._admin.list_consumer_group_offsets(group, partitions=[tp])
-        except KafkaError as exc:
-            raise KafkaBackendError(f"committed offset of {group} on {name}: {exc}") from exc
+        offsets = await self._ask(
+            f"committed offset of {group} on {name}",
+            lambda: self._admin.list_consumer_group_offsets(group, partitions=[tp]),
+        )
         meta = offsets.get(tp)
         if meta is None or meta.offset < 0:
             return None
@@ -240,8 +285,12 @@ def _quiet_aiokafka() -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def open_kafka(bootstrap: str, connect_timeout: float = 30.0) -> AsyncIterator[KafkaBackend]:
+async def open_kafka(
+    bootstrap: str, connect_timeout: float = 30.0, request_timeout: float = REQUEST_TIMEOUT
+) -> AsyncIterator[KafkaBackend]:
     """Connect to Kafka, retrying on the shared schedule for up to ``connect_timeout`` seconds.
+
+    ``request_timeout`` bounds each admin request of the backend (:data:`REQUEST_TIMEOUT`).
 
     Every client is stopped on the way out, also after a failed attempt, so
     aiokafka never warns about an unclosed client.
@@ -252,7 +301,9 @@ async def open_kafka(bootstrap: str, connect_timeout: float = 30.0) -> AsyncIter
     deadline = anyio.current_time() + connect_timeout
     attempt = 0
     while True:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=bootstrap, request_timeout_ms=int(request_timeout * 1000)
+        )
         reader = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
         try:
             with _quiet_aiokafka():
@@ -281,7 +332,7 @@ async def open_kafka(bootstrap: str, connect_timeout: float = 30.0) -> AsyncIter
             continue
         break
     try:
-        yield KafkaBackend(admin, reader)
+        yield KafkaBackend(admin, reader, request_timeout)
     finally:
         await _close(reader)
         await _close(admin)

@@ -23,6 +23,7 @@ __all__ = [
     "seal_key",
     "sealing_key",
     "segment_topic",
+    "segment_topic_prefix",
     "slice_starts",
     "subscription_group",
 ]
@@ -61,6 +62,19 @@ def segment_topic(topic: TopicName, descriptor: str) -> str:
     if not _DESCRIPTOR.fullmatch(descriptor):
         raise ValueError(f"{descriptor!r} is not a segment descriptor (%04x-%04x-%d)")
     return _kafka_name("seg", topic, descriptor)
+
+
+def segment_topic_prefix(topic: TopicName) -> str:
+    """What every segment topic of ``topic`` starts with, e.g. ``seg.acme.ns.orders.``.
+
+    No other topic's segment topic starts with it: a name part holds no dot
+    (:func:`check_name_part`), so the prefix's dots fix tenant, namespace and
+    topic, and the last one ends the topic's name (``orders`` vs ``orders-eu``).
+
+    Raises:
+        ValueError: a name part is not Kafka-safe.
+    """
+    return _kafka_name("seg", topic, "")
 
 
 def subscription_group(topic: TopicName, sub: str) -> str:

@@ -25,7 +25,13 @@ segments as possibly sealed; see :meth:`RefBroker._seal_and_write`.
 Stored values may be garbage (the metadata prefix is shared): a layout or seal
 that is not strict JSON (orjson), or a layout this broker could not name in
 Kafka or write back, is answered 500 with a reason naming it, never with a
-traceback.
+traceback. A ``sealing`` intent no broker wrote (no lease, or not
+``{"segments": [ids]}``) is deleted, not waited for (:meth:`RefBroker._live_intent`).
+A subscription whose name Kafka cannot carry (Pulsar allows dots) has no cursor:
+its backlog is unknown (404) and it drains nothing (:meth:`RefBroker.delete_segment`).
+
+Kafka or etcd failing (down, paused, unreachable) is answered 503 with a JSON
+reason, within the backend's request timeout.
 
 Extensions over Pulsar: k-way splits with ``?boundaries=b1,b2,...`` and a
 DELETE of a segment that refuses (409 ``backlog``) while any subscription still
@@ -68,6 +74,7 @@ from controllerd.refbroker.naming import (
     seal_key,
     sealing_key,
     segment_topic,
+    segment_topic_prefix,
     subscription_group,
 )
 
@@ -225,6 +232,9 @@ class RefBroker:
                 body = _layout_bytes(new)
             except orjson.JSONEncodeError as exc:  # e.g. an epoch at the end of 64 bits
                 raise _unusable(f"new layout of {topic}", exc) from exc
+            # A fenced caller creates no Kafka topic (it would be in no layout, for good);
+            # the transactions' compares still decide a race with a new leader.
+            await self._check_fence(fence)
             await self._create_children(topic, old, new)
             compares = [Compare.mod_revision(self.keys.layout(topic), revision)]
             if fence is not None:
@@ -241,9 +251,39 @@ class RefBroker:
             if await self._stored(self.keys.layout(topic), body):
                 return old, new  # applied by an attempt whose answer etcd lost (store retry)
             await self._check_fence(fence)
-            if await self.store.get(sealing_key(self.keys, topic)) is not None:
+            if await self._live_intent(topic):
                 await anyio.sleep(backoff.ETCD.delay(attempt))  # another seal is under way
         raise Refused(409, f"layout of {topic} kept changing; try again", "conflict")
+
+    async def _live_intent(self, topic: TopicName) -> bool:
+        """Whether another seal is under way: a ``sealing`` intent a broker wrote.
+
+        A broker writes its intent on a lease (:data:`SEALING_TTL`), as
+        ``{"segments": [ids]}``. One without a lease, or that does not parse so, no
+        broker wrote: it never expires, and it held every split and merge of the
+        topic back for good (409 ``conflict``), and its clients too, which read an
+        unreadable intent as naming every segment. It is deleted, guarded by its mod
+        revision so that a broker's intent written in its place stays, and logged.
+        Deleting it is safe: a seal's end offsets are valid because of the sealing
+        broker's *own* intent, which it writes before reading them.
+        """
+        key = sealing_key(self.keys, topic)
+        kv = await self.store.get(key)
+        if kv is None:
+            return False
+        if kv.lease != 0 and _intent_segments(kv.value) is not None:
+            return True
+        removed = await self.store.txn([Compare.mod_revision(key, kv.mod_revision)], [Delete(key)])
+        if removed.succeeded:
+            log.warning(
+                "refbroker.sealing.stale_deleted",
+                topic=str(topic),
+                key=key,
+                lease=kv.lease,
+                value=kv.value[:_REASON_CHARS].decode(errors="replace"),
+                why="no lease" if kv.lease == 0 else 'not {"segments": [ids]}',
+            )
+        return False
 
     async def _seal_and_write(
         self,
@@ -355,8 +395,14 @@ class RefBroker:
         log.info("refbroker.topic.created", topic=str(topic), segments=segments)
 
     async def delete_topic(self, topic: TopicName) -> None:
-        layout, _ = await self.read_layout(topic)
-        for name in _segment_topics(topic, layout.segments.values()):
+        """Delete every Kafka topic of ``topic``, then its etcd keys.
+
+        Every one: a segment topic with the topic's prefix that no layout names
+        (children of a split refused after they were created, segments GC pruned
+        but could not delete) would otherwise stay for good.
+        """
+        await self.read_layout(topic)  # 404 without one; an unusable one is a 500
+        for name in await self.kafka.topics(segment_topic_prefix(topic)):
             await self.kafka.delete_topic(name)
         await self.store.delete_prefix(self.keys.layout(topic) + "/")
         await self.store.delete(self.keys.layout(topic))
@@ -426,21 +472,63 @@ class RefBroker:
     # -- segments ------------------------------------------------------------------------
 
     async def backlog(self, topic: TopicName, descriptor: str, sub: str) -> int:
+        """``end - committed`` of ``sub`` on the segment.
+
+        Raises:
+            Refused: 404 for an unknown subscription or segment, and for a
+                subscription whose name Kafka cannot carry (Pulsar allows dots): it
+                has no cursor here, so its backlog is unknown, which GC never takes
+                for drained.
+        """
         segment_id = _segment_id(descriptor)
         if await self.store.get(self.keys.subscription(topic, sub)) is None:
             raise Refused(404, f"subscription {sub} does not exist")
+        try:
+            group = subscription_group(topic, sub)
+        except ValueError as exc:
+            raise Refused(
+                404,
+                f"subscription {sub!r} has no cursor in Kafka ({exc}): its backlog is unknown",
+                "no-cursor",
+            ) from exc
         name = segment_topic(topic, descriptor)
         if not await self.kafka.exists(name):
             raise Refused(404, f"segment {descriptor} does not exist")
+        end = await self._end(topic, segment_id, name)
+        return max(0, end - (await self.kafka.committed(group, name) or 0))
+
+    async def _end(self, topic: TopicName, segment_id: int, name: str) -> int:
+        """Where a segment ends for its readers: its seal's ``endOffset``, else Kafka's end."""
         end = await self.seal_end(topic, segment_id)
-        if end is None:
-            end = await self.kafka.end_offset(name)
-        committed = await self.kafka.committed(subscription_group(topic, sub), name) or 0
-        return max(0, end - committed)
+        return end if end is not None else await self.kafka.end_offset(name)
 
     async def delete_segment(self, topic: TopicName, descriptor: str, fence: Fence | None) -> None:
+        """Delete a sealed segment's Kafka topic and then its seal key, once drained.
+
+        ``descriptor`` must be the segment's own: while the layout holds segment
+        ``id``, a descriptor with that id and another range is refused (409
+        ``descriptor-mismatch``) and nothing is touched. A segment GC pruned is in
+        no layout; then the descriptor names the Kafka topic to delete, and any
+        other topic of the same id (the children of a split that never applied
+        share ids with those of the one that did) may be the segment's own.
+
+        Drained: every subscription's committed offset reaches the segment's end. A
+        subscription Kafka cannot name never had a cursor, so it counts from 0: it
+        holds back any segment with data (409 ``backlog`` naming it) until the
+        subscription is deleted. Nothing proves it drained, and GC, to which its
+        backlog is unknown (404), keeps the segment too.
+
+        The seal key goes once its segment's data is gone, also on a retry after
+        etcd failed to delete it (404 then): when the topic of the layout's
+        descriptor is gone, or, for a pruned segment, every topic of its id.
+
+        Raises:
+            Refused: 412 active, 409 ``descriptor-mismatch`` or ``backlog``, 404 gone.
+        """
         segment_id = _segment_id(descriptor)
         await self._check_fence(fence)
+        name = segment_topic(topic, descriptor)
+        in_layout = False  # then ``descriptor`` is the layout's own
         try:
             layout, _ = await self.read_layout(topic)
         except Refused as exc:
@@ -448,22 +536,50 @@ class RefBroker:
                 raise
         else:
             seg = layout.segments.get(segment_id)
-            if seg is not None and seg.active:
-                raise Refused(412, f"segment {descriptor} is active", "not-active")
-        name = segment_topic(topic, descriptor)
-        if not await self.kafka.exists(name):
-            # A retry after etcd failed to delete the seal key: it goes now.
-            await self.store.delete(seal_key(self.keys, topic, segment_id))
+            if seg is not None:
+                if seg.descriptor != descriptor:
+                    raise Refused(
+                        409,
+                        f"segment {segment_id} of {topic} is {seg.descriptor}, not {descriptor}",
+                        "descriptor-mismatch",
+                    )
+                if seg.active:
+                    raise Refused(412, f"segment {descriptor} is active", "not-active")
+                in_layout = True
+        prefix = segment_topic_prefix(topic)
+        same_id = [
+            n
+            for n in await self.kafka.topics(prefix)
+            if _descriptor_id(n[len(prefix) :]) == segment_id
+        ]
+        if name not in same_id:
+            if in_layout or not same_id:
+                await self.store.delete(seal_key(self.keys, topic, segment_id))
             raise Refused(404, f"segment {descriptor} does not exist")
-        lagging = {}
+        end = await self._end(topic, segment_id, name)
+        lagging: dict[str, int] = {}
+        uncursored: list[str] = []
         for sub in await self.subscriptions(topic):
-            backlog = await self.backlog(topic, descriptor, sub)
-            if backlog > 0:
-                lagging[sub] = backlog
+            try:
+                group = subscription_group(topic, sub)
+            except ValueError:  # no Kafka name, so no cursor: it consumed nothing
+                uncursored.append(sub)
+                committed = 0
+            else:
+                committed = await self.kafka.committed(group, name) or 0
+            if end > committed:
+                lagging[sub] = end - committed
         if lagging:
-            raise Refused(409, f"segment {descriptor} has backlog {lagging}", "backlog")
+            reason = f"segment {descriptor} has backlog {lagging}"
+            if held := [sub for sub in uncursored if sub in lagging]:
+                reason += (
+                    f"; {held} cannot be named in Kafka, so never consumed it:"
+                    " delete them to release it"
+                )
+            raise Refused(409, reason, "backlog")
         await self.kafka.delete_topic(name)
-        await self.store.delete(seal_key(self.keys, topic, segment_id))
+        if in_layout or same_id == [name]:
+            await self.store.delete(seal_key(self.keys, topic, segment_id))
         log.info("refbroker.segment.deleted", topic=str(topic), descriptor=descriptor)
 
 
@@ -497,11 +613,31 @@ def _segment_topics(topic: TopicName, segments: Iterable[Segment]) -> list[str]:
         raise _unusable(f"stored layout of {topic}", exc) from exc
 
 
-def _segment_id(descriptor: str) -> int:
+def _intent_segments(value: bytes) -> list[int] | None:
+    """The segment ids of a ``sealing`` intent as a broker writes it; None for any other value."""
+    try:
+        raw = parse_json(value)
+    except (ValueError, RecursionError):
+        return None
+    ids = raw.get("segments") if isinstance(raw, dict) else None
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
+        return None
+    return ids
+
+
+def _descriptor_id(descriptor: str) -> int | None:
+    """The segment id of a descriptor; None if it is not one."""
     match = _DESCRIPTOR.fullmatch(descriptor)
-    if match is None:
+    return None if match is None else int(match.group(3))
+
+
+def _segment_id(descriptor: str) -> int:
+    segment_id = _descriptor_id(descriptor)
+    if segment_id is None:
         raise Refused(404, f"{descriptor!r} is not a segment descriptor")
-    return int(match.group(3))
+    return segment_id
 
 
 def _topic(request: Request) -> TopicName:
