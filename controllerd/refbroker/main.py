@@ -9,32 +9,46 @@ SIGINT (Ctrl-C) with 130, as for every command but ``run``.
 The config is ``--config`` (``-``: stdin; none: the defaults) with the ``CONTROLLERD_*``
 overrides of the environment applied, as the daemon loads it: the fencing key
 comes from ``cluster.name``, so both must see the same overrides.
+
+etcd is opened as the daemon opens it (:func:`~controllerd.daemon.runtime.open_configured_store`):
+the config's ``[etcd]`` user, password file, CA bundle and client certificate, on
+``--etcd`` when given, else on ``etcd.endpoints``. An etcd that does not answer is
+waited out at start-up, for as long as it takes (the daemon does the same); one that
+refuses us (a wrong password, no user while authentication is on, a user without
+permission on the broker's keys) ends the process with status 3 and one line naming
+the setting, instead of a broker answering 503 to every call.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import math
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 import anyio.abc
 import structlog
 
 from controllerd import config as config_mod
-from controllerd.adapters.secrets import read_secret
-from controllerd.adapters.store import endpoints_problem, open_store
+from controllerd.adapters import backoff
+from controllerd.adapters.secrets import config_file_errors, read_secret
+from controllerd.adapters.store import Store, StoreError, StoreUnavailable, endpoints_problem
 from controllerd.core.loadreport import ReportRule
 from controllerd.core.shards import DEFAULT_SHARDS
 from controllerd.core.view import Keys
 from controllerd.daemon.clock import Clock, SystemClock
 from controllerd.daemon.logs import configure_logging
 from controllerd.daemon.ops import serve_ops
-from controllerd.errors import EXIT_INTERRUPTED, EXIT_OK, OperatorError
+from controllerd.daemon.runtime import open_configured_store
+from controllerd.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE, OperatorError
 from controllerd.refbroker.kafka import open_kafka
 from controllerd.refbroker.options import DEFAULT_CONNECT_TIMEOUT, add_arguments
 from controllerd.refbroker.reporter import LoadReporter
@@ -42,12 +56,18 @@ from controllerd.refbroker.server import RefBroker, make_app
 
 log = structlog.get_logger("controllerd.refbroker")
 
+_T = TypeVar("_T")
+
 
 @dataclass(frozen=True, slots=True)
 class BrokerOptions:
-    """Everything :func:`serve` needs. ``leader_key`` None turns fencing off."""
+    """Everything :func:`serve` needs. ``leader_key`` None turns fencing off.
 
-    etcd: str
+    etcd is reached as ``config.etcd`` says (credentials, TLS, request timeout), on
+    the endpoint ``etcd`` (``--etcd``), or on ``config.etcd.endpoints`` when it is None.
+    """
+
+    etcd: str | None
     kafka: str
     host: str
     port: int
@@ -59,6 +79,13 @@ class BrokerOptions:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     #: Shard count of sharded mode; None = ``[election] shards`` of ``config``.
     shards: int | None = None
+
+
+def etcd_settings(cfg: config_mod.Config, endpoint: str | None) -> config_mod.EtcdSettings:
+    """``[etcd]`` of ``cfg``, with ``endpoint`` (``--etcd``, when given) as its only endpoint."""
+    if endpoint is None:
+        return cfg.etcd
+    return dataclasses.replace(cfg.etcd, endpoints=(endpoint,))
 
 
 def shard_count(cfg: config_mod.Config) -> int:
@@ -74,9 +101,14 @@ async def serve(
 ) -> None:
     """Run until cancelled; reports the bound admin port once listening.
 
+    Kafka is opened first, so that a Kafka that is down ends the process after
+    ``connect_timeout`` even while etcd is down too; then etcd, waited for without a
+    deadline (see :func:`open_etcd`).
+
     Raises:
-        OperatorError: Kafka did not answer within ``connect_timeout``, or the admin
-            address cannot be resolved or bound (a busy port).
+        OperatorError: Kafka did not answer within ``connect_timeout``, etcd refused
+            our credentials or our reads, or the admin address cannot be resolved or
+            bound (a busy port).
     """
     clock = clock or SystemClock()
     cfg = options.config
@@ -88,9 +120,12 @@ async def serve(
         max_interval_seconds=cfg.load_report.report_max_interval_seconds,
         threshold_crossing=cfg.load_report.threshold_crossing,
     )
+    etcd = etcd_settings(cfg, options.etcd)
+    # what the broker reads on every call: its metadata and the fencing key
+    probes = [keys.topics_prefix, *([options.leader_key] if options.leader_key else [])]
     async with (
-        open_store([options.etcd]) as store,
         open_kafka(options.kafka, options.connect_timeout) as kafka,
+        open_etcd(etcd, probes) as store,
     ):
         shards = options.shards if options.shards is not None else shard_count(cfg)
         broker = RefBroker(store, keys, kafka, clock, options.leader_key, shards)
@@ -108,13 +143,79 @@ async def serve(
             log.info(
                 "refbroker.listening",
                 port=port,
-                etcd=options.etcd,
+                etcd=", ".join(etcd.endpoints),
                 kafka=options.kafka,
                 authentication=options.token is not None,
                 fencing_key=options.leader_key,
             )
             task_status.started(port)
             tg.start_soon(reporter.run, name="load-reporter")
+
+
+@contextlib.asynccontextmanager
+async def open_etcd(etcd: config_mod.EtcdSettings, probes: Sequence[str]) -> AsyncIterator[Store]:
+    """The etcd client as ``etcd`` describes it, once etcd has answered a read of each
+    key of ``probes``: a refusal shows at start-up, not as a 503 on every call.
+
+    An etcd that does not answer (down, no leader, a TLS handshake it refuses) is
+    retried on the daemon's schedule (``backoff.ELECTION``), one
+    ``refbroker.etcd.retry`` warning per retry, for as long as it takes: an outage is
+    not the operator's mistake. SIGTERM/SIGINT still stop the process meanwhile.
+
+    Raises:
+        OperatorError: etcd refused our credentials (``etcd.username/etcd.password_file``),
+            or refused to let us read a key (``etcd.username``: its roles), with
+            :data:`~controllerd.errors.EXIT_UNAVAILABLE`, as ``controllerd run`` does.
+    """
+    where = ", ".join(etcd.endpoints)
+    async with contextlib.AsyncExitStack() as stack:
+        try:  # with a user, opening authenticates: a refusal here is the credentials'
+            store = await _until_etcd_answers(
+                etcd, lambda: stack.enter_async_context(open_configured_store(etcd))
+            )
+        except StoreError as exc:
+            raise OperatorError(
+                f"etcd at {where} refused us: {exc}",
+                exit_code=EXIT_UNAVAILABLE,
+                setting="etcd.username/etcd.password_file" if etcd.username else "etcd.username",
+            ) from None
+        for key in probes:  # etcd knows who we are (or that we did not say): the user's rights
+            try:
+                await _until_etcd_answers(
+                    etcd, functools.partial(store.probe, key, etcd.timeout_seconds)
+                )
+            except StoreError as exc:
+                raise OperatorError(
+                    f"etcd at {where} refused us a read of {key}: {exc}",
+                    exit_code=EXIT_UNAVAILABLE,
+                    setting="etcd.username",
+                ) from None
+        yield store
+
+
+async def _until_etcd_answers(
+    etcd: config_mod.EtcdSettings, attempt: Callable[[], Awaitable[_T]]
+) -> _T:
+    """``attempt()``, again after each :class:`StoreUnavailable` until it succeeds.
+
+    Raises:
+        StoreError: etcd answered with a refusal (anything but unavailable).
+    """
+    failures = 0
+    while True:
+        try:
+            return await attempt()
+        except StoreUnavailable as exc:
+            delay = backoff.ELECTION.delay(failures)
+            failures += 1
+            log.warning(
+                "refbroker.etcd.retry",
+                etcd=", ".join(etcd.endpoints),
+                attempt=failures,
+                delay=round(delay, 3),
+                error=str(exc),
+            )
+            await anyio.sleep(delay)
 
 
 def _address(host: str, port: int) -> str:
@@ -171,6 +272,26 @@ def _seconds(flag: str, value: float) -> float:
     return value
 
 
+def _check_etcd_files(path: str | None, cfg: config_mod.Config, endpoint: str | None) -> None:
+    """Refuse what ``controllerd run`` refuses in ``[etcd]`` before it starts: files
+    that cannot serve (an unreadable password file, a CA bundle that is not PEM, a
+    certificate without its key), a user without a password file, unusable endpoints
+    (not checked when ``--etcd``, ``endpoint``, replaces them).
+
+    Only ``etcd.*``: the config's ``[broker]`` files are the controller's, not ours.
+
+    Raises:
+        OperatorError: the first such problem and how many more (EXIT_USAGE).
+    """
+    cfg = dataclasses.replace(cfg, etcd=etcd_settings(cfg, endpoint))
+    problems = [p for p in config_file_errors(cfg) if p.startswith("etcd.")]
+    if problems:
+        where = f"{'<stdin>' if path == '-' else path}: " if path else ""
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        setting = problems[0].partition(":")[0]
+        raise OperatorError(f"{where}{problems[0]}{more}", setting=setting)
+
+
 def _options(args: argparse.Namespace, cfg: config_mod.Config | None = None) -> BrokerOptions:
     cfg = _config(args.config) if cfg is None else cfg
     # an empty host (":8080", or "8080") is the loopback address, as it always was here
@@ -186,8 +307,9 @@ def _options(args: argparse.Namespace, cfg: config_mod.Config | None = None) -> 
     connect_timeout = _seconds("--connect-timeout", args.connect_timeout)
     report_interval = _seconds("--report-interval", args.report_interval)
     token = read_secret(args.token_file, "--token-file", header=True)
-    if (problem := endpoints_problem([args.etcd])) is not None:
+    if args.etcd is not None and (problem := endpoints_problem([args.etcd])) is not None:
         raise OperatorError(f"--etcd {args.etcd!r}: {problem}", setting="--etcd")
+    _check_etcd_files(args.config, cfg, args.etcd)
     if not config_mod.is_bootstrap_server(args.kafka):
         raise OperatorError(f"--kafka {args.kafka!r} is not host[:port]", setting="--kafka")
     keys = (("--metadata-prefix", args.metadata_prefix), ("--leader-key", args.leader_key))

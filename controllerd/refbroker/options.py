@@ -15,7 +15,12 @@ DEFAULT_CONNECT_TIMEOUT = 30.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every ``refbroker`` option to ``parser``."""
-    parser.add_argument("--etcd", default="http://127.0.0.1:2379", help="etcd endpoint URL")
+    parser.add_argument(
+        "--etcd",
+        metavar="URL",
+        help="etcd endpoint URL (default: etcd.endpoints of --config, http://127.0.0.1:2379 "
+        "without one); credentials and TLS always come from [etcd] of --config",
+    )
     parser.add_argument("--kafka", default="127.0.0.1:9092", help="Kafka bootstrap host:port")
     parser.add_argument(
         "--listen",
@@ -53,5 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--config",
-        help="controllerd.toml: thresholds, [load_report] rules, [election] shards",
+        help="controllerd.toml: [etcd] endpoints, user, password file and TLS files; "
+        "thresholds, [load_report] rules, [election] shards",
     )
