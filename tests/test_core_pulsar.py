@@ -87,9 +87,13 @@ def test_keys_decode_once_into_topic_names() -> None:
         topic_from_key("acme", "ns", "a%2Fb")  # decodes to a name with '/'
 
 
-def test_rest_paths_carry_names_unescaped_or_refuse() -> None:
+def test_rest_paths_carry_names_verbatim_or_refuse() -> None:
     assert rest_path_topic("orders:eu@1") == "orders:eu@1"
-    for name in ("a b", "50%", "what?", "é"):
+    # a local name with escapes is what a path carried: it goes back as it is
+    # (it was refused, and such a topic was never split)
+    assert rest_path_topic("orders%20eu") == "orders%20eu"
+    assert rest_path_topic("a%3Ab%7e") == "a%3Ab%7e"
+    for name in ("a b", "50%", "5%2", "%zz", "what?", "é", "a%2Fb", "a%25b", "a%3bb"):
         with pytest.raises(ModelError, match="cannot carry"):
             rest_path_topic(name)
 

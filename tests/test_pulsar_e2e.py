@@ -403,6 +403,25 @@ async def test_a_name_pulsar_cannot_address_is_reported_once(pulsar: PulsarClust
     assert not any("orders eu" in r.path or "orders%20eu" in r.path for r in model.requests)
 
 
+async def test_a_name_holding_escapes_is_split_through_its_verbatim_path(
+    pulsar: PulsarCluster,
+) -> None:
+    """A local name holding ``%20`` (created as ``orders%2520eu``, decoded once; or by
+    an earlier broker that decoded nothing) is reached by sending it back verbatim:
+    Pulsar decodes no path but create's. controllerd refused it as unaddressable."""
+    model = pulsar.model
+    leader = await pulsar.leader()
+    escaped = TopicName("acme", "ns", "orders%20eu")  # key component orders%2520eu
+    await model.create_topic(escaped)
+    await model.report_load(escaped, 0, msg_rate_in=5_000.0)
+
+    async def split() -> bool:
+        return await _active(model, escaped) >= 2
+
+    await wait_until(split, within=20)
+    assert not [e for e in leader.log_events() if e.get("event") == "topic.unaddressable"]
+
+
 async def _report_until(
     model: PulsarModel,
     topic: TopicName,

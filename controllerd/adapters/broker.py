@@ -423,7 +423,8 @@ class BrokerClient:
         *,
         fencing_token: int | None = None,
     ) -> None:
-        """Create a subscription with cursors at the earliest position on every segment."""
+        """Create a subscription with cursors at the earliest position on every active
+        segment (Pulsar ``createSubscriptionOnActiveSegments``)."""
         await self._call(
             "create_subscription",
             "PUT",

@@ -14,15 +14,19 @@ common/util/Codec, NSR NamespaceResources/BaseResources, POL Policies).
   (RES:282, CODEC:33-35). Java's encoder differs from :func:`urllib.parse.quote_plus`
   in one character: it escapes ``~``; both keep ``*`` and turn a space into ``+``.
   Hand-written on top of the standard library for that one difference.
-* **REST paths** carry the topic as an ``@Encoded`` path parameter. Create
-  decodes it once (``Codec.decode(encodedTopic)``), but every other endpoint
-  (get, delete, split, merge, subscriptions) passes the raw text to
-  ``TopicName.get`` unchanged (REST ``getScalableTopicMetadata``,
+* **REST paths** carry the topic as an ``@Encoded`` path parameter. Every
+  endpoint but create (get, delete, split, merge, subscriptions) passes the raw
+  text to ``TopicName.get`` unchanged (REST ``getScalableTopicMetadata``,
   ``splitSegment``, ...; TN ``get(domain, namespace, topic)`` concatenates
-  without decoding). So the path must carry the *decoded* local name with no
-  escapes at all: a name that needs escaping in a URL path cannot be reached
-  through those endpoints (:func:`rest_path_topic` says so instead of
-  encoding twice).
+  without decoding), so the path must carry the local name *verbatim*. Create
+  decodes it once in the version the compat reference reads
+  (``Codec.decode(encodedTopic)``) and not at all in an earlier one (d69fd88).
+  Either way a local name is what some path carried: it holds only characters
+  a path segment can carry, ``%`` included when an escape follows (a name
+  created as ``orders%2520eu``, or by an earlier broker as ``orders%20eu``, is
+  the local name ``orders%20eu``, reached as ``.../orders%20eu/split/0``). A
+  name with a space or ``?`` cannot be reached (:func:`rest_path_topic` says
+  so instead of encoding twice).
 * **autoScalePolicy** (layout field and namespace ``scalableTopicAutoScalePolicy``)
   is a typed ``AutoScalePolicyOverride`` (ASPO:47-89) read with unknown fields
   ignored (OMF:131) and written without nulls (OMF:133): every Pulsar write
@@ -93,10 +97,14 @@ _URL_ENCODER_SAFE: Final = frozenset(
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-*_"
 )
 _MALFORMED_ESCAPE: Final = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_ESCAPE: Final = re.compile(r"%[0-9A-Fa-f]{2}")
 # RFC 3986 pchar without '%': what a path segment may carry unescaped.
 _PCHAR: Final = frozenset(
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~!$&'()*+,;=:@"
 )
+# Escapes Jetty's default URI compliance refuses as ambiguous (an encoded '/', '%'
+# or ';'): refused here too rather than trusted to Pulsar's Jetty configuration.
+_AMBIGUOUS_ESCAPE: Final = re.compile(r"%(?:2[Ff]|25|3[Bb])")
 
 
 # --- topic names ---------------------------------------------------------------------
@@ -143,20 +151,27 @@ def topic_key_component(topic: TopicName) -> str:
 
 
 def rest_path_topic(local_name: str) -> str:
-    """The topic as Pulsar's scalable-topic REST paths must carry it: unescaped.
+    """The topic as Pulsar's scalable-topic REST paths must carry it: verbatim.
+
+    A ``%`` followed by two hex digits is part of the name and goes as it is
+    (Pulsar's non-create endpoints never decode the path), except the escapes
+    Jetty refuses as ambiguous (``%2F``, ``%25``, ``%3B``).
 
     Raises:
         ModelError: the name holds a character a URL path segment cannot carry
-            unescaped (e.g. space, ``%``, ``?``, ``#``, non-ASCII). Pulsar's
-            non-create endpoints never decode the path, so an escaped form would
-            name a different topic (encoded twice in the key) and answer 404/500.
+            (e.g. space, ``?``, ``#``, non-ASCII, a ``%`` not followed by two hex
+            digits) or an ambiguous escape. An escaped form would name a
+            different topic (encoded twice in the key) and answer 404/500.
     """
-    bad = sorted({c for c in local_name if c not in _PCHAR})
+    bad = sorted({c for c in _ESCAPE.sub("", local_name) if c not in _PCHAR})
+    if not bad and (ambiguous := _AMBIGUOUS_ESCAPE.search(local_name)):
+        bad = [ambiguous.group(0)]
     if bad:
         raise ModelError(
             f"topic name {shown(local_name)} contains {shown(bad)}, which a URL path cannot carry "
-            "unescaped; Pulsar's scalable-topic REST API does not decode escaped names "
-            "(except on create), so this topic cannot be split or merged through it"
+            "as Pulsar's scalable-topic REST API reads it (verbatim, never decoded except on "
+            "create; Jetty refuses %2F, %25 and %3B), so this topic cannot be split or merged "
+            "through it"
         )
     return local_name
 
