@@ -190,3 +190,9 @@ def test_a_file_s_errors_name_it_once_and_a_bom_is_no_error(tmp_path: Path) -> N
     marked = tmp_path / "bom.toml"
     marked.write_text('\ufeff[variants.a]\npreset = "pip483"\n', encoding="utf-8")
     assert [v.name for v in load_variants(marked)] == ["a"]
+
+
+def test_a_device_that_never_ends_is_refused_not_read_for_ever() -> None:
+    with pytest.raises(VariantError) as info:
+        load_variants("/dev/zero")
+    assert info.value.errors == ["/dev/zero: larger than 16 MiB; not a variants file"]

@@ -178,12 +178,25 @@ def parse_variants(text: str) -> list[Variant]:
     return out
 
 
+#: Largest variants or grid file read (a grid of thousands of variants is ~100 KiB):
+#: past it the file is refused, rather than read for ever from a device (/dev/zero).
+MAX_VARIANTS_BYTES: Final = 16 * 1024 * 1024
+
+
 def load_variants(path: str | Path) -> list[Variant]:
-    """:func:`parse_variants` of a file; every error starts with the file's name."""
+    """:func:`parse_variants` of a file (or a pipe: ``<(...)`` works); every error starts
+    with the file's name."""
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")  # an editor's BOM is no TOML error
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_VARIANTS_BYTES + 1)
     except OSError as exc:
         raise VariantError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    if len(raw) > MAX_VARIANTS_BYTES:
+        raise VariantError(
+            [f"{path}: larger than {MAX_VARIANTS_BYTES >> 20} MiB; not a variants file"]
+        )
+    try:
+        text = raw.decode("utf-8-sig")  # an editor's BOM is no TOML error
     except UnicodeDecodeError as exc:
         raise VariantError([f"{path}: not UTF-8 text ({exc.reason})"]) from None
     try:
