@@ -21,6 +21,15 @@ Invariants:
   rendezvous winner changed move (about 1/N of them).
 * The lease is renewed from a thread of its own (:mod:`election`), so a busy
   event loop never costs a replica its shards.
+* **Keys, not beliefs.** A replica owns a shard only while its key exists with
+  the create revision it claimed and on its lease: a delete, a replacement or a
+  lease change seen on the watch, or found by the re-read after a compaction,
+  is a loss. A key on our lease that we do not own (a release that failed, a
+  hand edit) is deleted on every rebalance until it is gone; a key with no
+  lease is garbage that the shard's rightful owner deletes before claiming. A
+  key on another live lease is a handover in progress and is waited for.
+* A member counts only if its key is on a lease and holds a JSON object (what
+  :meth:`ShardMembership.run` writes): a key put by hand cannot take shards.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ MOVE_CONCURRENCY = 32
 @dataclass(frozen=True, slots=True)
 class _Holder:
     create_revision: int
+    mod_revision: int
     lease: int
 
 
@@ -98,10 +108,12 @@ class ShardMembership:
         self._grant = grant
         self._revoke = revoke
         self.members: set[str] = set()
+        self._ignored_members: set[str] = set()  # said once each, until they count again
         self.owned: dict[int, Leadership] = {}
         self._holders: dict[int, _Holder] = {}
         self._dirty = anyio.Event()
         self.rebalances = 0
+        self._release_failures = 0  # in a row; until one rebalance releases all it tried
 
     def _member_key(self) -> str:
         return f"{self._members_prefix}{self.replica}"
@@ -154,7 +166,7 @@ class ShardMembership:
         log.info("membership.joined", replica=self.replica, lease=lease.id, shards=self.shards)
         members, members_rev = await self._store.get_prefix(self._members_prefix)
         holders, holders_rev = await self._store.get_prefix(self._shards_prefix)
-        self.members = {kv.key[len(self._members_prefix) :] for kv in members}
+        self._read_members(members)
         self._holders = {}
         for kv in holders:
             self._note_holder(kv)
@@ -167,7 +179,10 @@ class ShardMembership:
                 failed = await self._rebalance(lease)
                 if failed is not None:
                     break
-                with anyio.move_on_after(self._ttl):  # a safety net beside the watches
+                wait: float = self._ttl  # a safety net beside the watches
+                if self._release_failures:  # a new owner waits on the keys: retry sooner
+                    wait = min(wait, backoff.ETCD.delay(self._release_failures))
+                with anyio.move_on_after(wait):
                     await self._dirty.wait()
                 self._dirty = anyio.Event()
             tg.cancel_scope.cancel()
@@ -180,11 +195,41 @@ class ShardMembership:
     def _note_holder(self, kv: KeyValue) -> None:
         shard = parse_shard_name(kv.key[len(self._shards_prefix) :])
         if shard is not None:
-            self._holders[shard] = _Holder(kv.create_revision, kv.lease)
+            self._holders[shard] = _Holder(kv.create_revision, kv.mod_revision, kv.lease)
+
+    def _counts(self, name: str, value: bytes, lease: int) -> bool:
+        """Whether a member key is a live replica's: on a lease, with a JSON object.
+
+        A key put by hand (no lease, or garbage) would otherwise take about 1/N of
+        the shards for good: no replica holds it, so no lease ever ends it.
+        """
+        why = None
+        if lease == 0:
+            why = "no lease"
+        else:
+            try:
+                if not isinstance(json.loads(value), dict):
+                    why = "value not a JSON object"
+            except ValueError:  # UnicodeDecodeError is one too
+                why = "value not JSON"
+        if why is None:
+            self._ignored_members.discard(name)
+            return True
+        if name not in self._ignored_members:
+            self._ignored_members.add(name)
+            log.warning("membership.member_ignored", key=self._members_prefix + name, reason=why)
+        return False
+
+    def _read_members(self, kvs: list[KeyValue]) -> None:
+        self.members = set()
+        for kv in kvs:
+            name = kv.key[len(self._members_prefix) :]
+            if self._counts(name, kv.value, kv.lease):
+                self.members.add(name)
 
     def _on_member(self, event: WatchEvent) -> None:
         name = event.key[len(self._members_prefix) :]
-        if event.kind == "put":
+        if event.kind == "put" and self._counts(name, event.value, event.lease):
             self.members.add(name)
         else:
             self.members.discard(name)
@@ -193,13 +238,42 @@ class ShardMembership:
         shard = parse_shard_name(event.key[len(self._shards_prefix) :])
         if shard is None:
             return
+        known = self._holders.get(shard)
+        if known is not None and event.mod_revision < known.mod_revision:
+            return  # older than what a claim or a release of ours already noted
         if event.kind == "delete":
             self._holders.pop(shard, None)
         else:
-            self._holders[shard] = _Holder(event.create_revision, event.lease)
+            self._holders[shard] = _Holder(event.create_revision, event.mod_revision, event.lease)
         mine = self.owned.get(shard)
-        if mine is not None and (event.kind == "delete" or event.create_revision != mine.token):
-            self._lose(shard, "key-deleted" if event.kind == "delete" else "key-replaced")
+        if mine is None or event.mod_revision < mine.token:
+            return
+        if event.kind == "delete":
+            self._lose(shard, "key-deleted")
+        elif event.create_revision != mine.token:
+            self._lose(shard, "key-replaced")
+        elif event.lease != mine.lease_id:
+            self._lose(shard, "key-lease-changed")
+
+    def _reread_holders(self, kvs: list[KeyValue], revision: int) -> None:
+        """Rebuild the holders from a read at ``revision``; lose what we no longer hold.
+
+        After a compaction the watch missed whatever happened in the gap: our key
+        may have been deleted or replaced, and no event will ever say so. Shards
+        claimed after the read (token > revision) are kept as they are.
+        """
+        newer = {s: h for s, h in self._holders.items() if h.mod_revision > revision}
+        self._holders = {}
+        for kv in kvs:
+            self._note_holder(kv)
+        self._holders.update(newer)
+        for shard, mine in sorted(self.owned.items()):
+            holder = self._holders.get(shard)
+            if holder is None or (holder.create_revision, holder.lease) != (
+                mine.token,
+                mine.lease_id,
+            ):
+                self._lose(shard, "key-lost-in-compaction")
 
     async def _follow(self, prefix: str, start: int, apply: Callable[[WatchEvent], None]) -> None:
         """Apply every change under ``prefix``; a compaction re-reads it whole.
@@ -214,11 +288,9 @@ class ShardMembership:
                 if compacted:
                     kvs, rev = await self._store.get_prefix(prefix)
                     if prefix == self._members_prefix:
-                        self.members = {kv.key[len(prefix) :] for kv in kvs}
+                        self._read_members(kvs)
                     else:
-                        self._holders = {}
-                        for kv in kvs:
-                            self._note_holder(kv)
+                        self._reread_holders(kvs, rev)
                     revision, compacted = rev + 1, False
                     self._dirty.set()
                 async with aclosing(self._store.watch_prefix(prefix, revision)) as watch:
@@ -234,7 +306,11 @@ class ShardMembership:
                 await anyio.sleep(backoff.ETCD.delay(3))
 
     async def _rebalance(self, lease: _Lease) -> StoreError | None:
-        """Release what is no longer ours, then claim what is (once its key is free).
+        """Release what is no longer ours, clear garbage, then claim what is ours.
+
+        Runs on every change and on the safety-net tick, so a release or a clear
+        that failed is retried until its key is gone: a key left on our live lease
+        would keep the shard's new owner waiting for as long as we live.
 
         Returns the first failed claim's error rather than raising it, for
         :meth:`_serve` to raise outside its task group.
@@ -245,10 +321,29 @@ class ShardMembership:
         leaving = {shard: self.owned[shard].token for shard in sorted(set(self.owned) - mine)}
         for shard in leaving:
             self._lose(shard, "moved")  # stop acting on every one first ...
+        # ... then let the new owners in: what we just left, and any key still on our
+        # lease for a shard we do not own (a failed release, a hand edit); and clear a
+        # key on no lease for a shard that is ours (a hand edit: no replica holds it).
+        # A key on another live lease is its owner's, released by it: we wait.
+        clear = {
+            shard: holder
+            for shard, holder in sorted(self._holders.items())
+            if shard not in self.owned
+            and shard not in leaving
+            and (
+                (holder.lease == lease.id and shard not in mine)
+                or (holder.lease == 0 and shard in mine)
+            )
+        }
         limiter = anyio.CapacityLimiter(MOVE_CONCURRENCY)
-        async with anyio.create_task_group() as tg:  # ... then let the new owners in
+        failures = self._release_failures
+        async with anyio.create_task_group() as tg:
             for shard, token in leaving.items():
-                tg.start_soon(self._release, shard, token, limiter)
+                tg.start_soon(self._release, shard, token, None, limiter)
+            for shard, seen in clear.items():
+                tg.start_soon(self._release, shard, seen.create_revision, seen, limiter)
+        if self._release_failures == failures:
+            self._release_failures = 0
         claimable = [
             shard
             for shard in sorted(mine - set(self.owned))
@@ -262,15 +357,33 @@ class ShardMembership:
         # as one claim at a time would: rejoin after a backoff
         return failed[0] if failed else None
 
-    async def _release(self, shard: int, token: int, limiter: anyio.CapacityLimiter) -> None:
+    async def _release(
+        self, shard: int, token: int, seen: _Holder | None, limiter: anyio.CapacityLimiter
+    ) -> None:
+        """Delete the shard's key if it is still the one with create revision ``token``.
+
+        ``seen``: the key as we last saw it, when it is not ours to hold (then it
+        must not have changed since: mod revision too). A failure is logged; the
+        next rebalance tries again, as long as the key is still there.
+        """
+        key = self._shard_key(shard)
+        compares = [Compare.create_revision(key, token)]
+        if seen is not None:
+            compares.append(Compare.mod_revision(key, seen.mod_revision))
         async with limiter:
             try:
-                await self._store.txn(
-                    [Compare.create_revision(self._shard_key(shard), token)],
-                    [Delete(self._shard_key(shard))],
-                )
+                await self._store.txn(compares, [Delete(key)])
             except StoreError as exc:
+                self._release_failures += 1
                 log.warning("shard.release_failed", shard=shard, error=str(exc))
+                return
+        if seen is not None:
+            log.info("shard.cleared", shard=shard, token=token, lease=seen.lease)
+        # Deleted, or already gone or replaced: either way not ours to delete again. The
+        # watch tells what is there now; until it does, nothing holds the key for us.
+        holder = self._holders.get(shard)
+        if holder is not None and holder.create_revision == token:
+            del self._holders[shard]
 
     async def _claim_limited(
         self, shard: int, lease: _Lease, limiter: anyio.CapacityLimiter, failed: list[StoreError]
@@ -292,10 +405,12 @@ class ShardMembership:
             kv = await self._store.get(key)
             if kv is None or kv.lease != lease.id:
                 if kv is not None:
-                    self._holders[shard] = _Holder(kv.create_revision, kv.lease)
+                    self._holders[shard] = _Holder(kv.create_revision, kv.mod_revision, kv.lease)
                 return
-            token = kv.create_revision
-        self._holders[shard] = _Holder(token, lease.id)
+            token, modified = kv.create_revision, kv.mod_revision
+        else:
+            modified = token
+        self._holders[shard] = _Holder(token, modified, lease.id)
         leadership = Leadership(token, lease.id, self._identity, anyio.Event(), key, lease.alive)
         self.owned[shard] = leadership
         log.info("shard.claimed", shard=shard, token=token)
