@@ -451,7 +451,7 @@ def assert_split_justified(sc: Scenario, decision: Split) -> None:
         assert split_score(sample.rates, policy.split_thresholds)[0] > 1.0
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_decide_proposes_only_valid_operations(sc: Scenario) -> None:
     before = layout_to_json(sc.layout)
@@ -473,7 +473,7 @@ def test_decide_proposes_only_valid_operations(sc: Scenario) -> None:
 # --- 5. no merge on stale or missing load -------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(cold_bias=True))
 def test_merge_only_on_fresh_cold_load(sc: Scenario) -> None:
     decision = sc.decide()
@@ -747,7 +747,7 @@ def with_history(sc: Scenario, data: st.DataObject) -> dict[int, LoadSample]:
     }
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.data())
 def test_pulsar_parity_settings_decide_exactly_as_pip483(sc: Scenario, data: st.DataObject) -> None:
     parity = PolicySettings(
@@ -772,7 +772,7 @@ def test_pulsar_parity_settings_decide_exactly_as_pip483(sc: Scenario, data: st.
             }
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.data())
 def test_extensions_off_ignore_the_history_fields(sc: Scenario, data: st.DataObject) -> None:
     sc = dataclasses.replace(sc, policy=off(sc.policy))
@@ -796,7 +796,7 @@ def extended_policies(draw: st.DrawFn, merge_friendly: bool = False) -> PolicySe
     )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.booleans(), st.data())
 def test_extended_decisions_are_valid_and_time_changes_them_only_at_next_decision_ms(
     sc: Scenario, cold_bias: bool, data: st.DataObject
@@ -840,7 +840,7 @@ def same_side(draw: Draw, value: float, merge: float, split: float) -> float:
     return draw(st.floats(split, 2 * split + 1, exclude_min=True))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(cold_bias=True), st.data())
 def test_a_false_may_act_now_holds_until_next_ripe_ms_across_writes_on_the_same_side(
     sc: Scenario, data: st.DataObject
