@@ -42,8 +42,10 @@ setup_python() {
     [ -d .venv ] || "$py" -m venv .venv
     local stamp=.venv/.controllerd-installed
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-        .venv/bin/python -m pip install -q --upgrade pip
-        .venv/bin/python -m pip install -q -e '.[dev,spark]'
+        # Python 3.11's own pip installs an editable pyproject package (PEP 660), so it
+        # is not upgraded first. --no-compile: byte-compiling every installed module
+        # (PySpark, pandas) costs more than compiling the few imported on first use.
+        .venv/bin/python -m pip install -q --no-compile -e '.[dev,spark]'
         touch "$stamp"
     fi
 }
@@ -55,15 +57,27 @@ case "$cmd" in
         setup_system
         setup_python
         .venv/bin/ruff check controllerd tests bench
-        .venv/bin/mypy
-        .venv/bin/lint-imports
+        # The type and import checks run beside the tests, on the CPU the tests leave
+        # idle while they wait on etcd and brokers; their output follows the tests'.
+        checks_log=$(mktemp)
+        (.venv/bin/mypy && .venv/bin/lint-imports) >"$checks_log" 2>&1 &
+        checks=$!
+        trap 'kill "$checks" 2>/dev/null || true' EXIT
         # Two workers by default: most tests wait on etcd, brokers and subprocesses, so
         # two run well on 2 cores; an idle worker steals tests from the other, so neither
         # waits alone on a long file at the end. CONTROLLERD_TEST_WORKERS=0 runs
         # everything in this process. Tests marked serial (rates measured on real
         # traffic) run afterwards, alone. Exit status 5 is "no test selected".
+        tests_ok=0
         .venv/bin/python -m pytest -n "${CONTROLLERD_TEST_WORKERS:-2}" --dist worksteal \
-            -m "not serial" "$@" || [ $? -eq 5 ]
+            -m "not serial" "$@" || tests_ok=$?
+        [ "$tests_ok" -ne 5 ] || tests_ok=0
+        checks_ok=0
+        wait "$checks" || checks_ok=$?
+        cat "$checks_log"
+        rm -f "$checks_log"
+        [ "$checks_ok" -eq 0 ] || { echo "dev.sh: mypy or lint-imports failed" >&2; exit "$checks_ok"; }
+        [ "$tests_ok" -eq 0 ] || exit "$tests_ok"
         .venv/bin/python -m pytest -m serial "$@" || [ $? -eq 5 ]
         ;;
     run)
