@@ -155,3 +155,25 @@ def test_a_cycle_of_parents_selects_nothing() -> None:
     )  # 0 <-> 1
     verdicts = {sid: gc.Verdict(sid, True, "") for sid in looped.segments}
     assert gc.select(looped, verdicts) == []
+
+
+@pytest.mark.parametrize(
+    "stamp",
+    [1, 10 * DAY_MS // 1000, 10 * DAY_MS - 3 * 3_600_000],
+    ids=["one", "in-seconds", "clock-3h-behind"],
+)
+def test_a_seal_stamped_before_the_segment_was_created_is_not_past_retention(stamp: int) -> None:
+    """A ``sealedAtMs`` before the segment's ``createdAtMs`` (garbage, seconds for ms, a
+    broker clock behind) made a segment sealed a second ago look days old: GC skipped
+    its retention. Its age is unknown, so it is kept, as one with no seal time is."""
+    created = 10 * DAY_MS
+    lay = split(initial_layout(1, created), 0, now_ms=created + 1_000)
+    seg = dataclasses.replace(lay.segments[0], sealed_at_ms=stamp)
+    lay = dataclasses.replace(lay, segments={**lay.segments, 0: seg})
+    now = created + 2_000  # sealed 1 s ago; retention a day
+    assert gc.candidates(lay, now, 86_400) == []
+    verdict = gc.prunable(seg, now, 86_400, {})
+    assert not verdict.prunable and verdict.reason == "seal-before-create"
+    # an unknown creation time proves nothing: the seal stamp counts as before
+    unknown = dataclasses.replace(seg, created_at_ms=0)
+    assert gc.prunable(unknown, now, 0, {}).prunable

@@ -177,6 +177,40 @@ async def test_txn_is_atomic_with_deletes_and_refuses_no_compares(
         Compare(etcd_prefix + "x", "mod", "==", b"1")
 
 
+async def test_txn_compare_over_a_prefix(store: Store, etcd_prefix: str) -> None:
+    """``Compare.unchanged_under`` holds while no key under the prefix was created or
+    modified after the revision: every key in the range is compared, a key beside the
+    range is not, an empty range holds, and a deleted key no longer counts."""
+    prefix, flag = etcd_prefix + "subs/", etcd_prefix + "flag"
+
+    async def holds(compare: Compare) -> bool:
+        result = await store.txn([compare], [Put(flag, b"yes")], [Put(flag, b"no")])
+        stored = await store.get(flag)
+        assert stored is not None and stored.value == (b"yes" if result.succeeded else b"no")
+        return result.succeeded
+
+    empty = await store.put(etcd_prefix + "other", b"")
+    assert await holds(Compare.unchanged_under(prefix, empty))  # nothing under it
+    first = await store.put(prefix + "a", b"")
+    assert await holds(Compare.unchanged_under(prefix, first))
+    assert not await holds(Compare.unchanged_under(prefix, first - 1))  # created after
+    assert await holds(Compare.unchanged_under(prefix, first))
+    await store.put(etcd_prefix + "subs", b"")  # beside the range: not compared
+    await store.put(etcd_prefix + "subs0", b"")
+    assert await holds(Compare.unchanged_under(prefix, first))
+    later = await store.put(prefix + "b/consumers/c", b"")
+    assert not await holds(Compare.unchanged_under(prefix, first))
+    assert await holds(Compare.unchanged_under(prefix, later))
+    modified = await store.put(prefix + "a", b"changed")
+    assert not await holds(Compare.unchanged_under(prefix, later))
+    await store.delete(prefix + "a")
+    await store.delete(prefix + "b/consumers/c")
+    assert modified > later
+    assert await holds(Compare.unchanged_under(prefix, first))  # deleted keys do not count
+    with pytest.raises(ValueError, match="empty prefix"):
+        Compare.unchanged_under("", 1)
+
+
 # -- leases -----------------------------------------------------------------------------
 
 

@@ -212,16 +212,22 @@ class Compare:
     """A transaction guard on one key. A missing key has create/mod revision and version 0.
 
     Build with the helpers; ``operand`` is bytes for ``value``, an int otherwise.
+    With ``prefix`` it guards every key starting with ``key`` (never the empty
+    prefix): it holds when each key present holds it, so an empty range holds
+    except on ``value`` (etcd's rule).
     """
 
     key: str
     target: Literal["value", "create", "mod", "version"]
     op: Literal["==", "!=", "<", ">"]
     operand: bytes | int
+    prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.target not in _COMPARE_TARGETS or self.op not in _COMPARE_OPS:
             raise ValueError(f"bad compare {self.target!r} {self.op!r}")
+        if self.prefix and not self.key:
+            raise ValueError("empty prefix would address every key in etcd")
         wants_bytes = self.target == "value"
         if isinstance(self.operand, bytes) != wants_bytes or isinstance(self.operand, bool):
             raise TypeError(f"compare on {self.target} needs {'bytes' if wants_bytes else 'int'}")
@@ -235,6 +241,14 @@ class Compare:
     def mod_revision(cls, key: str, revision: int) -> Compare:
         """True while ``key`` is unchanged since ``revision`` (compare-and-swap)."""
         return cls(key, "mod", "==", revision)
+
+    @classmethod
+    def unchanged_under(cls, prefix: str, revision: int) -> Compare:
+        """True while no key under ``prefix`` was created or modified after ``revision``.
+
+        A key deleted since does not count (it is no longer in the range).
+        """
+        return cls(prefix, "mod", "<", revision + 1, prefix=True)
 
     @classmethod
     def version(cls, key: str, version: int) -> Compare:
@@ -401,7 +415,9 @@ async def _redeliver_cancellation() -> None:
 
 
 def _pb_compare(c: Compare) -> Any:
-    pb = KVService.txn_compare_version(c.key, 0, result=_COMPARE_OPS[c.op])
+    pb = KVService.txn_compare_version(
+        c.key, 0, result=_COMPARE_OPS[c.op], range_end=_range_end(c.key) if c.prefix else None
+    )
     pb.target = _COMPARE_TARGETS[c.target]
     match c.target:
         case "value":

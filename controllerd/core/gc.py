@@ -1,11 +1,12 @@
 """Which sealed segments may be garbage-collected (DESIGN §6, GC), pure.
 
-A segment is prunable when it is sealed with a known seal time, is past its
-retention (negative retention keeps it forever) and every subscription has
-drained it: backlog <= 0 everywhere, where a 404 (``None`` here) means *not*
-drained and a topic without subscriptions counts as drained. On top of that a
-segment is only pruned together with, or after, every parent still in the
-layout (see :mod:`controllerd.core.layout`), so the layout invariants survive GC.
+A segment is prunable when it is sealed with a known seal time (not before its
+creation time, when that is known), is past its retention (negative retention
+keeps it forever) and every subscription has drained it: backlog <= 0
+everywhere, where a 404 (``None`` here) means *not* drained and a topic without
+subscriptions counts as drained. On top of that a segment is only pruned
+together with, or after, every parent still in the layout (see
+:mod:`controllerd.core.layout`), so the layout invariants survive GC.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def candidates(layout: Layout, now_ms: int, retention_seconds: float) -> list[Se
         for s in layout.segments.values()
         if not s.active
         and s.sealed_at_ms > 0
+        and not _sealed_before_created(s)
         and now_ms - s.sealed_at_ms >= retention_seconds * 1000.0
     ]
     return sorted(due, key=lambda s: (s.sealed_at_ms, s.segment_id))
@@ -86,6 +88,14 @@ def prunable(
         return Verdict(sid, False, "active", "segment is active")
     if segment.sealed_at_ms <= 0:
         return Verdict(sid, False, "no-seal-time", "sealedAtMs is unknown")
+    if _sealed_before_created(segment):
+        return Verdict(
+            sid,
+            False,
+            "seal-before-create",
+            f"sealedAtMs {segment.sealed_at_ms} is before createdAtMs {segment.created_at_ms}:"
+            " its age is unknown",
+        )
     if retention_seconds < 0:
         return Verdict(sid, False, "keep-forever", "retention is negative (keep forever)")
     age_s = (now_ms - segment.sealed_at_ms) / 1000.0
@@ -100,6 +110,17 @@ def prunable(
     if lagging:
         return Verdict(sid, False, "backlog", f"backlog {lagging}")
     return Verdict(sid, True, "drained", f"sealed {age_s:g}s ago and drained by every subscription")
+
+
+def _sealed_before_created(segment: Segment) -> bool:
+    """Whether the seal stamp predates the segment's own creation stamp.
+
+    Such a ``sealedAtMs`` is wrong (seconds instead of ms, a placeholder, a
+    broker clock running behind): trusted, a segment sealed a second ago looked
+    ancient and skipped its retention. Its age is unknown, so it is kept, as one
+    without a seal time is. An unknown creation time (``<= 0``) proves nothing.
+    """
+    return segment.created_at_ms > 0 and segment.sealed_at_ms < segment.created_at_ms
 
 
 def select(layout: Layout, verdicts: Mapping[int, Verdict]) -> list[int]:
