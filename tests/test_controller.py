@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, cast
 
 import anyio
@@ -1194,6 +1194,124 @@ async def test_state_written_behind_is_written_again_after_etcd_refused_it(
         assert int(kv) == start
 
 
+class RecordedWrites(Controller):
+    """Takes its fenced writes of our own state in memory: etcd's answers are the test's."""
+
+    written: list[list[Put | Delete]]
+    refuse: Callable[[list[Put | Delete]], bool]
+
+    async def _fenced_write(self, leadership: Leadership, ops: list[Put | Delete]) -> bool:
+        await anyio.lowlevel.checkpoint()  # a round trip to etcd
+        if self.refuse(ops):
+            raise store_module.StoreUnavailable("etcd did not answer")
+        self.written.append(ops)
+        return True
+
+
+def recorded_writes(queued: int) -> RecordedWrites:
+    """A leader with ``queued`` cold-since values queued, written by none yet."""
+    c = RecordedWrites(
+        config=cast(Any, None),
+        store=cast(Any, None),
+        broker=cast(Any, None),
+        view=MetadataView(Keys("/p", "/c")),
+        metrics=Metrics(),
+        audit=AuditSink(),
+        clock=ManualClock(),
+        replica="r",
+    )
+    c.written, c.refuse = [], lambda ops: False
+    c.grant(None, Leadership(token=1, lease_id=0, identity={}, lost=anyio.Event()))
+    for i in range(queued):
+        c._writes[f"/c/cold-since/t/{i}"] = (str(i).encode(), None)
+    return c
+
+
+class BuiltOps:
+    """Counts the puts the controller builds, and the most built between two turns of
+    another task: the work flush_writes does without yielding."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.since_turn = self.most = 0
+        self.total = 0
+        monkeypatch.setattr(controller_module, "Put", self._put)
+
+    def _put(self, key: str, value: bytes) -> Put:
+        self.since_turn += 1
+        self.total += 1
+        return Put(key, value)
+
+    async def watch(self, flush: Callable[[], Awaitable[None]]) -> None:
+        """Run ``flush`` while another task takes a turn at every yield."""
+        done = False
+
+        async def other_task() -> None:
+            while not done:
+                self.most = max(self.most, self.since_turn)
+                self.since_turn = 0
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other_task)
+            await flush()
+            done = True
+        self.most = max(self.most, self.since_turn)
+
+
+async def test_flushing_a_long_write_queue_yields_after_every_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every queued write was built into an operation before the first was sent: 1.6
+    million queued held the event loop 3 s. The queue is now taken a batch at a time."""
+    batch = controller_module.WRITE_BATCH
+    c = recorded_writes(20 * batch + 7)
+    built = BuiltOps(monkeypatch)
+    await built.watch(c.flush_writes)
+    assert built.most <= batch
+    assert [len(ops) for ops in c.written].count(batch) == 20
+    assert sorted(op.key for ops in c.written for op in ops) == sorted(
+        f"/c/cold-since/t/{i}" for i in range(20 * batch + 7)
+    )
+    assert c._writes == {}
+
+
+async def test_a_refused_flush_queues_the_rest_again_and_newer_values_win(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """etcd refuses the third batch: the flush stops there; that batch and every value
+    not yet written are queued again, without the work of building them, except that
+    a value queued meanwhile for the same key is newer and wins. The next flush writes
+    them all."""
+    batch = controller_module.WRITE_BATCH
+    c = recorded_writes(10 * batch)
+    original = dict(c._writes)
+    newer: dict[str, tuple[bytes | None, int | None]] = {}
+
+    def refuse(ops: list[Put | Delete]) -> bool:
+        if len(c.written) != 2:
+            return False
+        # meanwhile, newer values: one of the refused batch, one not yet taken
+        written = {op.key for done in c.written for op in done}
+        untaken = sorted(set(original) - written - {op.key for op in ops})
+        for key in (ops[0].key, untaken[0]):
+            newer[key] = c._writes[key] = (b"newer", None)
+        return True
+
+    c.refuse = refuse
+    built = BuiltOps(monkeypatch)
+    await built.watch(c.flush_writes)
+    assert built.most <= batch
+    assert built.total == 3 * batch  # the batches sent, never the queue
+    assert len(c.written) == 2 and len(newer) == 2
+    written = {op.key for ops in c.written for op in ops}
+    assert c._writes == {k: v for k, v in original.items() if k not in written} | newer
+    c.refuse = lambda ops: False
+    await c.flush_writes()
+    stored = {op.key: op.value for ops in c.written for op in ops if isinstance(op, Put)}
+    assert stored == {k: v[0] for k, v in (original | newer).items()}
+    assert c._writes == {}
+
+
 async def test_a_flip_flop_is_remembered_in_etcd_for_the_next_leader(
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
@@ -1591,6 +1709,64 @@ async def test_a_reload_keeps_resolved_policies_unless_the_policy_changed(
         after = h.controller.resolved_policy(state)
         assert after is not before
         assert isinstance(after, PolicySettings) and after.merge_window_seconds == 60
+
+
+class CountedGcRounds(Controller):
+    """Counts the GC rounds done (the ticker measures its next interval from the end)."""
+
+    rounds = 0
+
+    async def gc_round(self) -> None:
+        await super().gc_round()
+        self.rounds += 1
+
+
+@pytest.mark.parametrize("ticker", ["autoscale", "gc"])
+async def test_a_reloaded_interval_counts_from_the_last_tick_not_the_old_interval(
+    etcd_server: EtcdServer, etcd_prefix: str, ticker: str
+) -> None:
+    """The docs say a reloaded interval applies from the next tick; lowered from 600 s
+    to 1 s by SIGHUP, the next tick still came 600 s after the last one. After a
+    reload the next tick is due the new interval after the last (at once if that is
+    past); a raised interval is waited for in full."""
+    extra = "[gc]\ninterval_seconds = {gc}\n"
+    async with open_harness(
+        etcd_server.endpoint,
+        etcd_prefix,
+        interval=600.0,
+        extra_config=extra.format(gc=600.0),
+        controller_class=CountedGcRounds,
+    ) as h:
+        controller = h.controller
+        assert isinstance(controller, CountedGcRounds)
+
+        def ticks() -> int:
+            return controller._ticks if ticker == "autoscale" else controller.rounds
+
+        def reload(seconds: float) -> None:
+            """What a SIGHUP does: the new config in force, the controller told."""
+            autoscale, gc = (seconds, 600.0) if ticker == "autoscale" else (600.0, seconds)
+            h.set_config(make_config(etcd_prefix, extra.format(gc=gc), interval=autoscale))
+            controller.reconfigured()
+
+        await h.clock.advance(100.0)
+        assert ticks() == 0
+        reload(300.0)  # due 300 s after the start
+        await h.clock.advance(199.0)
+        assert ticks() == 0
+        await h.clock.advance(1.0)
+        await eventually(lambda: ticks() == 1)
+        await h.clock.advance(50.0)
+        reload(20.0)  # due 20 s after the last tick: already past
+        await eventually(lambda: ticks() == 2)
+        assert h.clock.monotonic() == 350.0
+        reload(600.0)  # raised: the next is due 600 s after this last tick, not 20 s
+        await h.clock.advance(20.0)
+        assert ticks() == 2
+        await h.clock.advance(579.0)
+        assert ticks() == 2
+        await h.clock.advance(1.0)
+        await eventually(lambda: ticks() == 3)
 
 
 # --- acting while the first load runs (issue #12: 100k topics took 72 s to load) -------------

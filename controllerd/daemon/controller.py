@@ -161,6 +161,10 @@ _HELD_BACK: Final = {"split-cooldown": "split", "merge-cooldown": "merge"}
 
 Scope = int | None
 """``None``: every topic (single mode); an int: one shard (sharded mode)."""
+_Queued = tuple[bytes | None, Scope]
+"""A write of our own state queued: its value (None: delete the key) and its scope."""
+_Batches = dict[Scope, list[tuple[str, _Queued]]]
+"""A flush's batches being filled, a scope's at most one: (key, queued) pairs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +232,10 @@ class Controller:
         # a tick evaluating 100,000 topics took 16 s of CPU).
         self._quiet: dict[TopicName, _QuietMark] = {}
         self._ticks = 0
+        # The tickers' sleeps until their next tick: a reload cancels them, so a lowered
+        # interval applies now, not once the old one ran out (600 s lowered to 1 s by
+        # SIGHUP: the next tick came up to 600 s later).
+        self._tick_sleeps: set[anyio.CancelScope] = set()
         self._scan = anyio.Event()
         # The work queue. Urgent topics go straight to the workers; background ones
         # (ticks, first passes) wait in _background until the feeder, paced, moves them
@@ -816,10 +824,34 @@ class Controller:
         if topic in self.view.topics and self.leads(topic):
             self.trigger(topic)
 
+    def reconfigured(self) -> None:
+        """A new config is in force (a SIGHUP reload): the tickers measure again.
+
+        The next tick (and GC round) is due its new interval after the last one
+        ended (or the controller started), at once if that is already past. Without
+        this call a ticker reads a new interval only once its old one ran out.
+        """
+        for sleep in list(self._tick_sleeps):
+            sleep.cancel()
+
+    async def _next_tick(self, since: float, interval: Callable[[Config], float]) -> None:
+        """Sleep until ``interval`` of the config in force has passed ``since``, on the
+        clock; a reload (:meth:`reconfigured`) wakes the sleep to measure it again."""
+        while (remaining := since + interval(self._config()) - self._clock.monotonic()) > 0:
+            with anyio.CancelScope() as sleep:
+                self._tick_sleeps.add(sleep)
+                try:
+                    await self._clock.sleep(remaining)
+                finally:
+                    self._tick_sleeps.discard(sleep)
+            if not sleep.cancelled_caught:
+                return
+
     async def _ticker(self) -> None:
         """The safety net: every topic we lead, evaluated every interval, in slices."""
+        since = self._clock.monotonic()
         while True:
-            await self._clock.sleep(self._config().autoscale.interval_seconds)
+            await self._next_tick(since, lambda config: config.autoscale.interval_seconds)
             full = self._ticks % FULL_PASS_EVERY == 0
             self._ticks += 1
             led = pulsar_owned = quiet = 0
@@ -840,6 +872,7 @@ class Controller:
             self._metrics.topics_owned.set(led)
             self._metrics.pulsar_autoscaler_topics.set(pulsar_owned)
             log.debug("tick", led=led, evaluated=led - quiet, quiet=quiet, full_pass=full)
+            since = self._clock.monotonic()
 
     def _is_quiet(self, state: TopicState, policy: object) -> bool:
         """Whether the topic was quiet at its last evaluation, on these inputs and ``policy``
@@ -1408,34 +1441,64 @@ class Controller:
         longer lead (the new leader derives it again).
 
         A batch etcd did not take (an outage longer than the store's retries) is
-        queued again, with every batch after it, except keys given a newer value
-        meanwhile: dropped, a successor would read older history and cold-since than
-        the leader held. The flush stops at that first failure, so an outage costs
-        one round of the store's retries per flush, not one per batch (cold Pulsar
-        records queue a write per segment at start)."""
+        queued again, with every value not yet written, except keys given a newer
+        value meanwhile: dropped, a successor would read older history and
+        cold-since than the leader held. The flush stops at that first failure, so
+        an outage costs one round of the store's retries per flush, not one per
+        batch (cold Pulsar records queue a write per segment at start).
+
+        The work between two yields is one batch, whatever the queue holds: the
+        batches are taken from the queue as they are written, and a failure puts
+        the queue's unwritten remainder back whole, not value by value (1.6 million
+        queued values, all built into operations before the first write, held the
+        event loop 3 s). The order the values are written in is not the order they
+        were queued in: each key is written once, in a transaction of its own scope.
+        """
         if self._forgotten and not await self._flush_forgotten():
             return
         if not self._writes:
             return
         pending, self._writes = self._writes, {}
-        by_scope: dict[Scope, list[Put | Delete]] = {}
-        for key, (value, scope) in pending.items():
-            by_scope.setdefault(scope, []).append(
-                Put(key, value) if value is not None else Delete(key)
-            )
-        failed = False
-        for scope, ops in by_scope.items():
-            leadership = self._scopes.get(scope)
-            if leadership is None or not leadership.is_leader():
-                continue
-            for start in range(0, len(ops), WRITE_BATCH):
-                batch = ops[start : start + WRITE_BATCH]
-                if not failed:
-                    if await self._state_written(leadership, batch):
-                        continue
-                    failed = True
-                for op in batch:
-                    self._writes.setdefault(op.key, pending[op.key])
+        batches: _Batches = {}
+        while pending:
+            for _ in range(min(WRITE_BATCH, len(pending))):
+                key, entry = pending.popitem()  # the last: O(1), and leaves no hole
+                batch = batches.setdefault(entry[1], [])
+                batch.append((key, entry))
+                if len(batch) == WRITE_BATCH:
+                    if not await self._write_batch(entry[1], batch):
+                        self._queue_again(pending, batches)
+                        return
+                    del batches[entry[1]]
+                    break
+            await anyio.lowlevel.checkpoint()
+        for scope, batch in list(batches.items()):  # the scopes' last, partial batches
+            if not await self._write_batch(scope, batch):
+                self._queue_again(pending, batches)
+                return
+            del batches[scope]
+            await anyio.lowlevel.checkpoint()
+
+    async def _write_batch(self, scope: Scope, batch: list[tuple[str, _Queued]]) -> bool:
+        """Write one batch of queued values of ``scope``, fenced; False if etcd refused
+        it. A batch of a scope we no longer lead is dropped (True)."""
+        leadership = self._scopes.get(scope)
+        if leadership is None or not leadership.is_leader():
+            return True
+        ops: list[Put | Delete] = [
+            Put(key, value) if value is not None else Delete(key) for key, (value, _) in batch
+        ]
+        return await self._state_written(leadership, ops)
+
+    def _queue_again(self, pending: dict[str, _Queued], batches: _Batches) -> None:
+        """Queue again what a refused flush did not write: the values still ``pending``
+        and the ``batches`` taken from it, unwritten. A value queued since is newer: it
+        stays. Only the batches (one per scope at most) and the values queued since
+        cost a step each; the remainder goes back as the dict it already is."""
+        for batch in batches.values():
+            pending.update(batch)
+        pending.update(self._writes)
+        self._writes = pending
 
     async def _flush_forgotten(self) -> bool:
         """Delete the keys of the topics :meth:`_forget` queued, a fenced transaction a
@@ -1536,9 +1599,11 @@ class Controller:
             spent += min(self._pacer.now() - started, self._pacer.burst)
 
     async def _gc_ticker(self) -> None:
+        since = self._clock.monotonic()
         while True:
-            await self._clock.sleep(self._config().gc.interval_seconds)
+            await self._next_tick(since, lambda config: config.gc.interval_seconds)
             await self.gc_round()
+            since = self._clock.monotonic()
 
     async def _gc_topic(self, state: TopicState, leadership: Leadership) -> None:
         # The layout and its revision are read together, before any await: the prune is
