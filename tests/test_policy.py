@@ -801,7 +801,8 @@ def test_merge_undo_with_a_histogram_balances_the_children_it_restores() -> None
     capped = plan_split(FULL, list(skewed), 1.2, 3, 256, min_children=4)
     assert capped is not None and len(capped.loads) == 3
     # Load in two slices: the balance alone stops at two children; the count is
-    # restored by cutting the widest child near its middle.
+    # restored where it leaves the hottest child no hotter, load-free slices shared
+    # out evenly.
     two = [0.0] * 32
     two[5], two[20] = 1.0, 0.2
     plan = plan_split(FULL, two, 1.2, 8, 256, min_children=4)
@@ -809,9 +810,10 @@ def test_merge_undo_with_a_histogram_balances_the_children_it_restores() -> None
     assert min(plan.widths) >= 256 and sum(plan.loads) == pytest.approx(1.2)
     assert plan_split(FULL, two, 1.2, 8, 256) == plan_split(FULL, two, 1.2, 8, 256, min_children=2)
     narrow = plan_split(HashRange(0, 767), two, 1.2, 8, 256, min_children=4)
-    # 768 hashes cut at 480 by the balance: neither child can be cut again into two of
-    # at least min_split_width (256), so the count stays short of four.
-    assert narrow is not None and narrow.widths == (480, 288)
+    # 768 hashes in slices of 24: no three children are each at least min_split_width
+    # (256, 11 slices) wide, so the count stays short of four; the load-free slices
+    # between the two loaded ones are shared evenly.
+    assert narrow is not None and narrow.widths == (384, 384)
 
 
 # --- history the caller keeps -----------------------------------------------------------------

@@ -30,13 +30,15 @@ caller keeps a :class:`TopicHistory` per topic and hands it in on the samples,
 so ``decide`` stays a function of its arguments. Segments are visited in
 ascending id, so ties always go to the lower id.
 
-The boundary search is hand-written (a greedy partition inside a bisection on
-the largest child load): it is twenty lines over at most 32 slices, and no
-library partitions a histogram under a minimum-width constraint.
+The boundary search is hand-written (an exact dynamic programme over slice edges:
+the least load of the hottest child, then the most even children): at most 32
+slices and ``max_split_fanout`` children, and no library partitions a histogram
+under a minimum-width constraint.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -424,126 +426,208 @@ def _units(
     return starts, widths, weights
 
 
-def _greedy(
-    widths: Sequence[int], loads: Sequence[float], limit: float, min_width: int
-) -> list[int] | None:
-    """Cut indices (first unit of each child after the first) of the fewest children, each at
-    least ``min_width`` wide and carrying at most ``limit``; None if impossible.
+_TOL: Final = 1e-9
+"""Relative slack when comparing loads summed in different orders (they may differ in the
+last bits), so that a child exactly at the threshold counts as under it."""
 
-    Each child takes the units it needs to be wide enough, then as many more as fit
-    under ``limit`` while the rest stays splittable (empty, or at least ``min_width``).
+
+def _last_starts(pw: Sequence[int], min_width: int) -> list[int]:
+    """``last[i]``: the last slice edge ``j`` with ``pw[i] - pw[j] >= min_width``, or -1.
+
+    ``pw`` is the prefix sum of the slice widths; every ``j <= last[i]`` qualifies
+    too, as widths are positive.
+    """
+    last: list[int] = []
+    j = -1
+    for top in pw:
+        while pw[j + 1] + min_width <= top:
+            j += 1
+        last.append(j)
+    return last
+
+
+def _hottest(
+    widths: Sequence[int],
+    loads: Sequence[float],
+    most: int,
+    min_width: int,
+    floor: float = 0.0,
+    least: int = 1,
+) -> list[float]:
+    """``best[k]`` for k = 0..``most``: the least load the hottest child can have when the
+    slices are cut into exactly ``k`` children, each at least ``min_width`` wide (inf:
+    no such cut). It stops (the rest left inf) after the first ``k >= least`` whose
+    best is at most ``floor``: the caller wants no more children than that.
+
+    An exact search (dynamic programming over slice edges): ``row[i]`` is the best for
+    slices ``0..i-1`` in ``k`` children, the least over the last child's start ``j`` of
+    the larger of ``prev[j]`` and that child's load. At most ``most`` x 32 x 32 steps,
+    fewer in practice: loads are >= 0, so a child's load only grows as ``j`` moves
+    left, and the scan stops once it alone is hotter than the best found.
     """
     n = len(widths)
-    limit += 1e-9 * max(1.0, limit)  # sums in another order may differ in the last bit
-    remaining = sum(widths)
-    cuts: list[int] = []
-    last_load = 0.0
-    i = 0
-    while i < n:
-        first, width, load = i, 0, 0.0
-        while i < n and width < min_width:
-            width += widths[i]
-            load += loads[i]
-            i += 1
-        remaining -= width
-        if width < min_width:  # a tail too narrow for a child of its own joins the last one
-            if not cuts or last_load + load > limit:
-                return None
-            return cuts
-        if load > limit:
-            return None
-        while i < n and load + loads[i] <= limit:
-            rest = remaining - widths[i]
-            if rest != 0 and rest < min_width:
-                if load + sum(loads[i:]) <= limit:  # the whole tail fits: take it
-                    return [*cuts, first] if first > 0 else cuts
+    pw = list(itertools.accumulate(widths, initial=0))
+    pl = list(itertools.accumulate(loads, initial=0.0))
+    last = _last_starts(pw, min_width)
+    inf = math.inf
+    best = [inf] * (most + 1)
+    prev = [0.0] + [inf] * n
+    first = 0  # the first edge prev reaches
+    for k in range(1, most + 1):
+        row = [inf] * (n + 1)
+        # A later row reads this one up to last[n] only; the best is at n.
+        for i in (*range(first + 1, last[n] + 1), n):
+            top, v = pl[i], inf
+            for j in range(last[i], first - 1, -1):
+                child = top - pl[j]
+                if child >= v:
+                    break
+                f = prev[j]
+                if f < v:  # then max(f, child) < v too
+                    v = f if f > child else child
+            row[i] = v
+        best[k] = row[n]
+        if k >= least and best[k] <= floor:
+            break
+        reached = [i for i in range(n + 1) if row[i] < inf]
+        if not reached:  # no k children fit, nor any more
+            break
+        first, prev = reached[0], row
+    return best
+
+
+def _cuts(
+    widths: Sequence[int], loads: Sequence[float], k: int, limit: float, min_width: int
+) -> list[int] | None:
+    """Cut indices (first slice of each child after the first) of exactly ``k`` children,
+    each at least ``min_width`` wide and carrying at most ``limit``; None if impossible.
+
+    Of those, the most even: the least sum of squared loads, then of squared widths
+    (so load-free slices are shared out evenly rather than all left to one child).
+    The same search as :func:`_hottest`, keeping where each child starts.
+    """
+    n = len(widths)
+    pw = list(itertools.accumulate(widths, initial=0))
+    pl = list(itertools.accumulate(loads, initial=0.0))
+    last = _last_starts(pw, min_width)
+    inf = math.inf
+    cost: list[float] = [0.0] + [inf] * n
+    spread: list[int] = [0] * (n + 1)
+    starts: list[list[int]] = []
+    first = 0  # the first edge the children so far reach
+    for done in range(1, k + 1):
+        row: list[float] = [inf] * (n + 1)
+        row_spread = [0] * (n + 1)
+        start = [-1] * (n + 1)
+        room = (k - done) * min_width  # what the children still to come need
+        ends = [n] if done == k else range(first + 1, last[n] + 1)
+        for i in ends:
+            if pw[n] - pw[i] < room:
                 break
-            width += widths[i]
-            load += loads[i]
-            remaining = rest
-            i += 1
-        if first > 0:
-            cuts.append(first)
-        last_load = load
-    return cuts
+            top, wide = pl[i], pw[i]
+            best, best_spread, arg = inf, 0, -1
+            for j in range(last[i], first - 1, -1):
+                child = top - pl[j]
+                if child > limit:
+                    break
+                c = cost[j]
+                if c == inf:
+                    continue
+                c += child * child
+                w = wide - pw[j]
+                s = spread[j] + w * w
+                if c < best or (c == best and s < best_spread):
+                    best, best_spread, arg = c, s, j
+            row[i], row_spread[i], start[i] = best, best_spread, arg
+        reached = [i for i in range(n + 1) if row[i] < inf]
+        if not reached:
+            return None
+        first, cost, spread = reached[0], row, row_spread
+        starts.append(start)
+    cuts: list[int] = []
+    i = n
+    for start in reversed(starts):
+        i = start[i]
+        cuts.append(i)
+    return sorted(cuts[:-1])  # the last is the first child's start, 0
 
 
-def _two(widths: Sequence[int], loads: Sequence[float], min_width: int) -> list[int] | None:
-    """The one cut (both sides at least ``min_width``) with the lighter heavier side."""
-    total_w, total = sum(widths), sum(loads)
-    best: tuple[float, int] | None = None
-    width = 0
-    load = 0.0
-    for i in range(len(widths) - 1):
-        width += widths[i]
-        load += loads[i]
-        if width >= min_width and total_w - width >= min_width:
-            key = (max(load, total - load), i + 1)
-            if best is None or key < best:
-                best = key
-    return [best[1]] if best is not None else None
+def _children_count(best: Sequence[float], least: int) -> int | None:
+    """How many children to cut into, from :func:`_hottest`'s ``best``: the fewest (at
+    least ``least``) that bring every child under the threshold, else the fewest that
+    leave the hottest child as cool as any count can; None if no count fits."""
+    fits = [k for k in range(least, len(best)) if best[k] < math.inf]
+    if not fits:
+        return None
+    for k in fits:
+        if best[k] <= 1.0 + _TOL:
+            return k
+    low = min(best[k] for k in fits)
+    return next(k for k in fits if best[k] <= low * (1.0 + _TOL))
 
 
 def _balanced(
-    widths: Sequence[int], loads: Sequence[float], children: int, min_width: int
+    widths: Sequence[int], loads: Sequence[float], best: Sequence[float], least: int, min_width: int
 ) -> list[int] | None:
-    """Cuts into 2..``children`` children minimising the largest child load (bisection)."""
-    cuts = _balanced_any(widths, loads, children, min_width)
-    if cuts is not None and not cuts and children >= 2:
-        return _two(widths, loads, min_width)
-    return cuts
-
-
-def _widened(cuts: list[int], widths: Sequence[int], children: int, min_width: int) -> list[int]:
-    """``cuts`` with more, up to ``children`` children: the widest child that can be is cut
-    at the slice edge nearest its middle (both parts at least ``min_width``). The load
-    balance cannot ask for these (it stops at the fewest children it needs); a
-    ``min_children`` from ``merge_undo_seconds`` can."""
-    cuts = sorted(cuts)
-    while len(cuts) + 1 < children:
-        edges = [0, *cuts, len(widths)]
-        best: tuple[int, int] | None = None  # (width of the child, cut)
-        for a, b in itertools.pairwise(edges):
-            total = sum(widths[a:b])
-            left, cut, gap = 0, None, total
-            for j in range(a + 1, b):
-                left += widths[j - 1]
-                fits = left >= min_width and total - left >= min_width
-                if fits and abs(total - 2 * left) < gap:
-                    cut, gap = j, abs(total - 2 * left)
-            if cut is not None and (best is None or total > best[0]):
-                best = (total, cut)
-        if best is None:
-            break
-        cuts = sorted([*cuts, best[1]])
-    return cuts
-
-
-def _balanced_any(
-    widths: Sequence[int], loads: Sequence[float], children: int, min_width: int
-) -> list[int] | None:
-    """Cuts into at most ``children`` children minimising the largest child load (bisection)."""
-    total = sum(loads)
-    lo, hi = total / children, total
-    best = _greedy(widths, loads, hi, min_width)
-    if best is None:
+    """Cuts into the children :func:`_children_count` picks, or more up to ``least`` (what recent
+    merges folded into the range) if that leaves the hottest child no hotter."""
+    k = _children_count(best, 2)
+    if k is None:
         return None
-    for _ in range(24):
-        mid = (lo + hi) / 2
-        cuts = _greedy(widths, loads, mid, min_width)
-        if cuts is not None and len(cuts) + 1 <= children:
-            best, hi = cuts, mid
-        else:
-            lo = mid
-    return best
+    for more in range(min(least, len(best) - 1), k, -1):
+        if best[more] <= best[k] * (1.0 + _TOL):
+            k = more
+            break
+    return _cuts(widths, loads, k, best[k] * (1.0 + _TOL), min_width)
+
+
+def _hot_block(
+    widths: Sequence[int], loads: Sequence[float], hot: int, min_width: int
+) -> tuple[int, int] | None:
+    """The slices ``first..last`` of the child that isolates slice ``hot``: of the runs
+    holding it at least ``min_width`` wide whose two sides are each empty or at least
+    ``min_width`` wide (else they could not be children), the one with the least load,
+    then the narrowest, then the lowest; None if there is none.
+
+    Both sides count: widening toward the lighter neighbour alone can leave a sliver
+    on the other side that would have to join the hot child.
+    """
+    n = len(widths)
+    pw = list(itertools.accumulate(widths, initial=0))
+    pl = list(itertools.accumulate(loads, initial=0.0))
+    total = pw[n]
+    chosen: tuple[float, int, int, int] | None = None  # (load, width, first, last)
+    for first in range(hot, -1, -1):
+        if 0 < pw[first] < min_width:
+            continue
+        last = max(hot, bisect.bisect_left(pw, pw[first] + min_width) - 1)
+        while last < n and 0 < total - pw[last + 1] < min_width:
+            last += 1
+        if last >= n:
+            continue
+        key = (pl[last + 1] - pl[first], pw[last + 1] - pw[first], first, last)
+        if chosen is None or key < chosen:
+            chosen = key
+    return None if chosen is None else (chosen[2], chosen[3])
+
+
+def _floor(widths: Sequence[int], loads: Sequence[float], min_width: int) -> float:
+    """Where the search for the hottest child may stop: at the threshold (the fewest
+    children under it are wanted, not the coolest), or, if more, at the least load a
+    child holding the hottest slice can carry (:func:`_hot_block`): no cut does better."""
+    top = max(range(len(loads)), key=loads.__getitem__)
+    block = _hot_block(widths, loads, top, min_width)
+    least = sum(loads[block[0] : block[1] + 1]) if block is not None else 0.0
+    return max(1.0, least) * (1.0 + _TOL)
 
 
 def _isolated(
     widths: Sequence[int], loads: Sequence[float], children: int, min_width: int
 ) -> list[int] | None:
-    """Cuts that give each slice over the threshold (a hot key) a child of its own, as narrow
-    as ``min_width`` allows (widened toward the lighter neighbour), and balance the cold
-    stretches between them; None if there is no hot slice or it needs more than ``children``.
+    """Cuts that give each slice over the threshold (a hot key) a child of its own, as
+    narrow as ``min_width`` allows (:func:`_hot_block`), and cut each cold stretch between
+    them into the fewest children under the threshold (or, if none can be, as even as
+    they can be); None if there is no hot slice or it needs more than ``children``.
     """
     n = len(widths)
     blocks: list[tuple[int, int]] = []
@@ -552,18 +636,10 @@ def _isolated(
             break
         if any(a <= hot <= b for a, b in blocks):
             continue
-        first = last = hot
-        width = widths[hot]
-        while width < min_width:
-            left = loads[first - 1] if first > 0 else math.inf
-            right = loads[last + 1] if last < n - 1 else math.inf
-            if left <= right:
-                first -= 1
-                width += widths[first]
-            else:
-                last += 1
-                width += widths[last]
-        blocks.append((first, last))
+        block = _hot_block(widths, loads, hot, min_width)
+        if block is None:
+            return None
+        blocks.append(block)
     if not blocks:
         return None
     # Pieces in hash order: hot blocks (overlapping ones joined) and the cold stretches between.
@@ -600,8 +676,10 @@ def _isolated(
         if hot:
             continue
         w, ld = widths[first : last + 1], loads[first : last + 1]
-        fewest = _greedy(w, ld, 1.0, min_width)
-        part = _balanced(w, ld, len(fewest) + 1, min_width) if fewest is not None else []
+        most = min(children, sum(w) // min_width)
+        best = _hottest(w, ld, most, min_width, _floor(w, ld, min_width))
+        k = _children_count(best, 1)
+        part = _cuts(w, ld, k, best[k] * (1.0 + _TOL), min_width) if k is not None else None
         cuts.extend(first + c for c in part or ())
     if len(cuts) + 1 > children:
         return None
@@ -619,31 +697,40 @@ def plan_split(
     """Boundaries for a traffic split of a range whose load histogram is ``buckets``.
 
     The fewest children (``min_children``..``max_children``) that bring every child
-    under the threshold, with boundaries that balance their loads; a slice that alone is
-    over the threshold (a hot key) gets a child of its own, as narrow as
-    ``min_width`` allows (that cut ignores ``min_children``: relieving the key comes
-    first). Boundaries fall on slice edges: the histogram says
-    nothing finer. None when the histogram is empty (all zero): split equal-width.
+    under the threshold, with boundaries that balance their loads; if no count can,
+    the fewest that leave the hottest child as cool as any allowed split can. A
+    slice that alone is over the threshold (a hot key) gets a child of its own, as
+    narrow as ``min_width`` allows (that cut ignores ``min_children``: relieving the
+    key comes first), unless that leaves a hotter child than the best balance.
+    Boundaries fall on slice edges: the histogram says nothing finer. None when the
+    histogram is empty (all zero) or its sum is not a finite number (it cannot give
+    proportions), or no slice edge leaves two children wide enough: split equal-width.
     The plan is ``refused`` when its hottest child would still be over the
     threshold, too narrow to split again, and the split would take less than
     :data:`HOT_KEY_MIN_RELIEF` of the range's overload off it: such a split adds a
-    segment without relieving the hot key.
+    segment without relieving the hot key (and, as the hottest child is the least
+    any allowed split leaves, none would).
     """
     starts, widths, weights = _units(hash_range, buckets)
     total = sum(weights)
-    if total <= 0 or len(starts) < 2 or max_children < 2:
+    if not (0.0 < total < math.inf) or len(starts) < 2 or max_children < 2:
         return None
     loads = [w / total * score for w in weights]
+    least = min(min_children, max_children)
+    floor = _floor(widths, loads, min_width)
+    best = _hottest(widths, loads, max_children, min_width, floor, max(2, least))
+    if min(best[2:]) == math.inf:
+        return None
     cuts: list[int] | None = None
     if max(loads) > 1.0:
         cuts = _isolated(widths, loads, max_children, min_width) or None
+        if cuts is not None:
+            edges = [0, *cuts, len(starts)]
+            hot_load = max(sum(loads[a:b]) for a, b in itertools.pairwise(edges))
+            if hot_load > min(best[2:]) * (1.0 + _TOL):  # hot keys close together
+                cuts = None
     if cuts is None:
-        fewest = _greedy(widths, loads, 1.0, min_width)
-        want = max_children if fewest is None else max(2, min(max_children, len(fewest) + 1))
-        need = min(min_children, max_children)
-        cuts = _balanced(widths, loads, max(want, need), min_width)
-        if cuts and len(cuts) + 1 < need:
-            cuts = _widened(cuts, widths, need, min_width)
+        cuts = _balanced(widths, loads, best, least, min_width)
     if not cuts:
         return None
     edges = [0, *cuts, len(starts)]
@@ -1613,7 +1700,7 @@ def _child_shares(
     if buckets:
         starts, widths, weights = _units(parent.hash_range, buckets)
         total = sum(weights)
-        if total > 0:
+        if 0.0 < total < math.inf:  # else no proportions, as in plan_split
             shares = []
             for rng in ranges:
                 got = 0.0

@@ -513,9 +513,11 @@ class _Pieces:
     def put_histogram(
         self, start: int, end: int, rates: RateTuple, buckets: Sequence[float]
     ) -> None:
-        """Set ``[start, end]`` to ``rates`` spread as the recorded histogram says."""
+        """Set ``[start, end]`` to ``rates`` spread as the recorded histogram says; uniformly
+        when it gives no proportions (all zero, or a sum too large for a double, as the
+        planner treats it)."""
         total = sum(buckets)
-        if total <= 0:
+        if not 0.0 < total < math.inf:
             self.put(start, end, rates)
             return
         carry = 0.0
