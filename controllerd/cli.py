@@ -19,10 +19,12 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any, Final
 
 from controllerd import config as config_mod
@@ -283,7 +285,33 @@ def _config_path(args: argparse.Namespace) -> str:
 # --- daemon commands ------------------------------------------------------------------
 
 
+class _EarlyHangups:
+    """Counts the SIGHUPs that reach ``run`` before its daemon listens for them.
+
+    SIGHUP's default action ends the process, and the daemon's own handler is only
+    installed once its modules are imported and its loop runs (a second or so): a
+    reload asked for meanwhile (``systemctl reload``, a config-map watcher) killed
+    it. :func:`cmd_run` installs this first; the handler only counts, and the daemon
+    (:class:`~controllerd.daemon.runtime.Daemon`) decides: a SIGHUP that came before
+    it read the config file is answered by that read, a later one by a reload as
+    soon as it listens. The interpreter's own start and this module's imports
+    (~0.3 s) come before any code of ours runs, so a SIGHUP then still ends it.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+
+    def seen(self) -> int:
+        return self.count
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    hangups = _EarlyHangups()
+    signal.signal(signal.SIGHUP, hangups)  # first: the imports below take a second
+
     import anyio
 
     from controllerd.daemon import runtime
@@ -297,7 +325,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             setting="--config",
         )
     checked_config(path)  # refuse an invalid config or a missing file before starting anything
-    result: int = anyio.run(runtime.run, path, dict(os.environ))
+    run = functools.partial(runtime.run, path, dict(os.environ), early_hangups=hangups.seen)
+    result: int = anyio.run(run)
     return result
 
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from tests.support.broker import (
 from tests.support.daemon import Replica, replicas, wait_until, write_config
 from tests.support.etcd import EtcdServer
 from tests.support.kafka import free_port
+from tests.test_demo_signals import signal_set
 
 TOPIC = TopicName("acme", "ns", "orders")
 
@@ -426,3 +429,170 @@ def test_a_reload_that_fails_unexpectedly_is_refused_and_the_old_config_kept(
     assert daemon.config is before
     assert metrics.config_reloads.labels(outcome="invalid")._value.get() == 1
     assert metrics.operator_errors.labels(kind="config-reload")._value.get() == 1
+
+
+def _lone_replica(tmp_path: Path, etcd: str, prefix: str) -> Replica:
+    port = free_port()
+    config = write_config(
+        tmp_path / "replica.toml",
+        etcd=etcd,
+        prefix=prefix,
+        broker_url="http://127.0.0.1:9",
+        port=port,
+    )
+    return Replica("r0", config, port, tmp_path / "replica.log")
+
+
+def _catches(replica: Replica, sig: signal.Signals) -> bool:
+    """Whether the replica's process has a handler for ``sig`` (False once it exited)."""
+    assert replica.proc is not None
+    try:
+        return sig in signal_set(replica.proc.pid, "SigCgt")
+    except OSError:  # exited, and reaped
+        return False
+
+
+async def test_a_sighup_while_the_daemon_starts_does_not_end_it(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """SIGHUP's default action ends a process, and the daemon listened for it only once
+    its modules were imported and its loop ran, a second after it started: a reload
+    asked for meanwhile (``systemctl reload``, a config-map watcher) killed it. ``run``
+    now catches SIGHUP before it imports the daemon."""
+    replica = _lone_replica(tmp_path, etcd_server.endpoint, etcd_prefix)
+    replica.start()
+    try:
+
+        async def catches_sighup() -> bool:
+            assert replica.alive(), replica.log_path.read_text(encoding="utf-8")
+            return _catches(replica, signal.SIGHUP)
+
+        await wait_until(catches_sighup, step=0.002)
+        # caught while the daemon's modules are still being imported
+        assert not [e for e in replica.log_events() if e.get("event") == "daemon.starting"]
+        replica.signal(signal.SIGHUP)
+        await wait_until(replica.ready, within=30)
+        assert replica.alive()
+        assert await replica.metric("controllerd_config_last_reload_successful") == 1
+    finally:
+        with anyio.CancelScope(shield=True):
+            await replica.stop()
+    assert replica.proc is not None and replica.proc.returncode == 0
+
+
+@contextlib.contextmanager
+def _notifications(directory: Path) -> Iterator[tuple[dict[str, str], Callable[[], list[str]]]]:
+    """A systemd notification socket: its environment, and what was sent to it so far."""
+    path = directory / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sock.setblocking(False)
+        sent: list[str] = []
+
+        def received() -> list[str]:
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    sent.append(sock.recv(4096).decode())
+            return sent
+
+        yield {"NOTIFY_SOCKET": str(path)}, received
+
+
+async def test_a_sighup_after_the_config_is_read_reloads_once_the_daemon_listens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGHUP caught early (``early_hangups``) before the daemon read its config asks
+    for nothing more than that read; one after it, for a reload as soon as the daemon
+    listens for signals, which tells systemd nothing: ``READY=1`` before the daemon is
+    ready would end its start-up. When the daemon stops listening, SIGHUP is ignored,
+    not given back its default action (which ends the process)."""
+    from controllerd.daemon.metrics import Metrics
+    from controllerd.daemon.runtime import Daemon
+
+    path = write_config(
+        tmp_path / "c.toml",
+        etcd="http://127.0.0.1:1",
+        prefix="/t/",
+        broker_url="http://127.0.0.1:1",
+        port=free_port(),
+    )
+    original = signal.getsignal(signal.SIGHUP)
+    hangups = 0
+
+    async def reloads_when_it_listens(daemon: Daemon, metrics: Metrics) -> float:
+        """The config reloads done once the reloader listens; after it, SIGHUP is ignored."""
+        before = signal.getsignal(signal.SIGHUP)
+
+        async def listening() -> bool:
+            return signal.getsignal(signal.SIGHUP) is not before
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(daemon._reloader)
+            await wait_until(listening)  # the early check is done at once, then it waits
+            done: float = metrics.config_reloads.labels(outcome="ok")._value.get()
+            tg.cancel_scope.cancel()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        return done
+
+    try:
+        hangups += 1  # before the read: answered by it
+        metrics = Metrics()
+        daemon = Daemon(str(path), {}, metrics=metrics, early_hangups=lambda: hangups)
+        assert await reloads_when_it_listens(daemon, metrics) == 0
+
+        metrics = Metrics()
+        daemon = Daemon(str(path), {}, metrics=metrics, early_hangups=lambda: hangups)
+        with path.open("a", encoding="utf-8") as config:
+            config.write("[policy.split_thresholds]\nmsg_rate_in = 2000\n")
+        hangups += 2  # after the read: one reload, however many came
+        with _notifications(tmp_path) as (env, received):
+            monkeypatch.setenv("NOTIFY_SOCKET", env["NOTIFY_SOCKET"])
+            assert await reloads_when_it_listens(daemon, metrics) == 1
+            assert received() == []
+        assert daemon.config.policy.split_thresholds.msg_rate_in == 2000
+    finally:
+        signal.signal(signal.SIGHUP, original)
+
+
+async def test_a_sighup_during_the_shutdown_neither_reloads_nor_ends_the_daemon(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """A SIGHUP right after SIGTERM reloaded (systemd heard RELOADING=1, READY=1 after
+    STOPPING=1), and once the daemon stopped listening for signals, one ended it
+    (killed by SIGHUP, not exit 0) before its shutdown was done."""
+    replica = _lone_replica(tmp_path, etcd_server.endpoint, etcd_prefix)
+    with _notifications(tmp_path) as (env, received):
+        replica.env.update(env)
+        replica.start()
+        try:
+            await wait_until(replica.ready, within=30)
+
+            async def announced() -> bool:
+                return "READY=1" in received()
+
+            await wait_until(announced)
+            replica.signal(signal.SIGTERM)
+
+            async def stopping() -> bool:
+                return "STOPPING=1" in received()
+
+            await wait_until(stopping)
+            replica.signal(signal.SIGHUP)  # while it still listens, stopping
+
+            async def stopped_listening() -> bool:
+                return not _catches(replica, signal.SIGHUP)
+
+            await wait_until(stopped_listening, step=0.001)
+            if replica.alive():
+                replica.signal(signal.SIGHUP)  # after it stopped listening
+            code = await anyio.to_thread.run_sync(replica.wait, 15.0)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await replica.stop()
+        sent = received()
+    assert code == 0
+    stopped = sent.index("STOPPING=1")
+    after = [m for m in sent[stopped:] if m.startswith(("RELOADING=1", "READY=1"))]
+    assert after == [], sent
+    events = [e.get("event") for e in replica.log_events()]
+    assert "config.reloaded" not in events and "daemon.stopped" in events

@@ -2,8 +2,12 @@
 
 Workers (all named, all owned by one task group):
 
-* ``signals``: SIGHUP reloads the config, SIGTERM/SIGINT start the shutdown.
-  The handler only records the signal; the work happens here, on the loop.
+* ``signals``: SIGTERM/SIGINT start the shutdown.
+* ``reloader``: SIGHUP reloads the config. A SIGHUP that came during start-up,
+  after the config was read but before this worker listened, reloads once it
+  listens (``early_hangups``); one during the shutdown is ignored, and so is any
+  later one (never the default action, which would end the process at once).
+  The handlers only record the signal; the work happens here, on the loop.
 * ``ops``: /metrics /healthz /readyz /status.
 * ``health``: probes etcd every second; readiness and ``STATUS=`` follow it.
 * ``loop-monitor``: measures how long the event loop stalls; its block watch
@@ -27,6 +31,7 @@ systemd's ``TimeoutStopSec`` and the Kubernetes grace period.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import functools
@@ -37,6 +42,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
+from types import FrameType
 from typing import Any, Final, TypeVar
 
 import anyio
@@ -87,6 +93,11 @@ LOADING_POLL: Final = 0.5
 EMPTY_PREFIX_WARNING: Final = 600.0
 
 
+def _no_hangups() -> int:
+    """No SIGHUP came before the daemon listened (the default of ``early_hangups``)."""
+    return 0
+
+
 def open_configured_store(etcd: config_mod.EtcdSettings) -> AbstractAsyncContextManager[Store]:
     """The etcd client as ``[etcd]`` describes it (credentials read from their files)."""
     return open_store(
@@ -111,9 +122,20 @@ class Daemon:
         clock: Clock | None = None,
         replica: str | None = None,
         metrics: Metrics | None = None,
+        early_hangups: Callable[[], int] | None = None,
     ) -> None:
+        """Read the config at ``config_path`` (``env`` holds the overrides).
+
+        ``early_hangups``, if given, counts the SIGHUPs received since the process
+        started, until ``run``'s reloader listens (``controllerd run`` catches them
+        that early: SIGHUP's default action ends a process). Those that came before
+        the file is read here ask for nothing more than this read; any later one
+        makes the reloader reload as soon as it listens.
+        """
         self.config_path = config_path
         self.env = dict(env)
+        self._early_hangups = early_hangups or _no_hangups
+        self._hangups_before_load = self._early_hangups()  # before the read: never after it
         self.config = config_mod.load_file(config_path, self.env)
         self.clock: Clock = clock or SystemClock()
         self.metrics = metrics or Metrics()
@@ -131,6 +153,7 @@ class Daemon:
         self._campaigning = False
         self._broker_auth_error: str | None = None
         self._reported: tuple[bool, str] | None = None
+        self._announced_ready = False  # READY=1 sent: systemd considers us started
         self._membership: ShardMembership | None = None
         self._max_stall = 0.0
         self._max_stall_on_cpu = 0.0
@@ -142,8 +165,12 @@ class Daemon:
 
         Only the reloadable settings take effect: restart-only ones keep their old
         values (:func:`config.reloaded`), as the code reading them later assumes.
+        systemd hears ``RELOADING=1`` ... ``READY=1`` only once it was told we are
+        ready: before that, ``READY=1`` would end the start-up before etcd answered.
         """
-        sdnotify.reloading()
+        announce = self._announced_ready
+        if announce:
+            sdnotify.reloading()
         try:
             new = config_mod.load_file(self.config_path, self.env)
             # As at start: a file the config names that cannot serve is a reason to refuse,
@@ -165,10 +192,13 @@ class Daemon:
             log.error(
                 "config.reload.rejected", path=self.config_path, errors=errors, kept="previous"
             )
-            sdnotify.ready()
+            if announce:
+                sdnotify.ready()
             return False
         restart = config_mod.restart_required(self.config, new)
         self.config = config_mod.reloaded(self.config, new)
+        if self._controller is not None:
+            self._controller.reconfigured()  # a lowered tick interval applies now
         if self._broker is not None:
             self._broker.set_token(token)
             self._broker_auth_error = None  # a new token deserves a new try
@@ -182,7 +212,8 @@ class Daemon:
                 settings=restart,
                 note="these settings keep their old values until a restart",
             )
-        sdnotify.ready()
+        if announce:
+            sdnotify.ready()
         return True
 
     def current_config(self) -> config_mod.Config:
@@ -281,6 +312,7 @@ class Daemon:
         sdnotify.status(shown)
         if first_ready:
             sdnotify.ready()
+            self._announced_ready = True
         if reason is not None or first_ready:
             log.info("daemon.readiness", ready=reason is None, reason=shown)
 
@@ -334,6 +366,7 @@ class Daemon:
         sdnotify.status("starting")
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._signals, name="signals")
+            tg.start_soon(self._reloader, name="reloader")
             app = make_ops_app(self.metrics, self.status, self.ready, self.not_ready_reason)
             try:
                 self.ops_port = await tg.start(
@@ -344,6 +377,7 @@ class Daemon:
                     f"cannot listen on {cfg.http.listen}: {exc.strerror or exc}",
                     setting="http.listen",
                 ) from None
+            cfg = self.config  # a SIGHUP that came during start-up may have reloaded it
             broker = BrokerClient(
                 cfg.broker.admin_url,
                 profile=as_profile(cfg.broker.profile),
@@ -532,13 +566,54 @@ class Daemon:
         os._exit(EXIT_SOFTWARE)
 
     async def _signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
+        """SIGTERM/SIGINT start the shutdown (SIGHUP is the reloader's)."""
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                if signum == signal.SIGHUP:
+                log.info("signal.received", signal=signal.Signals(signum).name)
+                self.shutdown.set()
+
+    async def _reloader(self) -> None:
+        """SIGHUP reloads the config, until the shutdown begins; SIGHUP never kills.
+
+        A SIGHUP that came after the config was read but before this listened
+        (:class:`Daemon`'s ``early_hangups``) reloads at once. Once the shutdown has
+        begun a SIGHUP reloads nothing (systemd would hear ``RELOADING=1`` after
+        ``STOPPING=1``), and when this ends SIGHUP is ignored for the rest of the
+        process: its default action ends a process, before the shutdown is done.
+
+        Not anyio's signal receiver: closing it gives the signal back its default
+        action, and other threads held the GIL for milliseconds before it could be
+        ignored (a SIGHUP then killed the daemon). The handler here is replaced by
+        ``SIG_IGN`` in one step; like asyncio's own SIGINT handler
+        (``asyncio.Runner``) it only asks the loop to run a callback, which queues
+        the reload (one queued covers any that come before it starts).
+        """
+        loop = asyncio.get_running_loop()
+        send, receive = anyio.create_memory_object_stream[None](1)
+
+        def queue() -> None:  # on the loop; a reload already queued covers this one
+            with contextlib.suppress(
+                anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError
+            ):
+                send.send_nowait(None)
+
+        def on_hangup(signum: int, frame: FrameType | None) -> None:  # between two bytecodes
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to reload
+                loop.call_soon_threadsafe(queue)
+
+        with send, receive:
+            signal.signal(signal.SIGHUP, on_hangup)
+            try:
+                if self._early_hangups() != self._hangups_before_load:
+                    log.info("signal.received", signal="SIGHUP", during="start-up")
                     self.reload()
-                else:
-                    log.info("signal.received", signal=signal.Signals(signum).name)
-                    self.shutdown.set()
+                async for _ in receive:
+                    if self.shutdown.is_set():
+                        log.info("signal.ignored", signal="SIGHUP", why="stopping")
+                    else:
+                        self.reload()
+            finally:
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     async def _watchdog(self) -> None:
         interval = sdnotify.watchdog_interval()
@@ -737,9 +812,15 @@ class GcClock:
         gc.callbacks.remove(self._callback)
 
 
-async def run(config_path: str, env: Mapping[str, str]) -> int:
-    """Entry point of ``controllerd run``; returns the exit status."""
-    daemon = Daemon(config_path, env)
+async def run(
+    config_path: str, env: Mapping[str, str], *, early_hangups: Callable[[], int] | None = None
+) -> int:
+    """Entry point of ``controllerd run``; returns the exit status.
+
+    ``early_hangups``: the count of SIGHUPs caught while the process started
+    (:class:`Daemon`).
+    """
+    daemon = Daemon(config_path, env, early_hangups=early_hangups)
     try:
         return await daemon.run()
     except* OperatorError as group:
