@@ -431,6 +431,33 @@ def test_a_reload_that_fails_unexpectedly_is_refused_and_the_old_config_kept(
     assert metrics.operator_errors.labels(kind="config-reload")._value.get() == 1
 
 
+def test_a_reload_tells_the_controller_so_its_tickers_measure_again(tmp_path: Path) -> None:
+    """A lowered ``[autoscale]``/``[gc]`` interval applied only once the old one ran out
+    (600 s lowered to 1 s: no tick for up to 600 s): the reload must wake the tickers."""
+    from controllerd.daemon.metrics import Metrics
+    from controllerd.daemon.runtime import Daemon
+
+    path = write_config(
+        tmp_path / "c.toml",
+        etcd="http://127.0.0.1:1",
+        prefix="/t/",
+        broker_url="http://127.0.0.1:1",
+        port=free_port(),
+    )
+    daemon = Daemon(str(path), {}, metrics=Metrics())
+
+    class Told:
+        times = 0
+
+        def reconfigured(self) -> None:
+            self.times += 1
+
+    told = Told()
+    daemon._controller = told  # type: ignore[assignment]  # only the reload hook is used
+    assert daemon.reload() is True
+    assert told.times == 1
+
+
 def _lone_replica(tmp_path: Path, etcd: str, prefix: str) -> Replica:
     port = free_port()
     config = write_config(
