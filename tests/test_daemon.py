@@ -410,13 +410,7 @@ def test_a_reload_that_fails_unexpectedly_is_refused_and_the_old_config_kept(
     from controllerd.daemon.metrics import Metrics
     from controllerd.daemon.runtime import Daemon
 
-    path = write_config(
-        tmp_path / "c.toml",
-        etcd="http://127.0.0.1:1",
-        prefix="/t/",
-        broker_url="http://127.0.0.1:1",
-        port=free_port(),
-    )
+    path = unreachable_config(tmp_path)
     metrics = Metrics()
     daemon = Daemon(str(path), {}, metrics=metrics)
     before = daemon.config
@@ -437,13 +431,7 @@ def test_a_reload_tells_the_controller_so_its_tickers_measure_again(tmp_path: Pa
     from controllerd.daemon.metrics import Metrics
     from controllerd.daemon.runtime import Daemon
 
-    path = write_config(
-        tmp_path / "c.toml",
-        etcd="http://127.0.0.1:1",
-        prefix="/t/",
-        broker_url="http://127.0.0.1:1",
-        port=free_port(),
-    )
+    path = unreachable_config(tmp_path)
     daemon = Daemon(str(path), {}, metrics=Metrics())
 
     class Told:
@@ -456,6 +444,17 @@ def test_a_reload_tells_the_controller_so_its_tickers_measure_again(tmp_path: Pa
     daemon._controller = told  # type: ignore[assignment]  # only the reload hook is used
     assert daemon.reload() is True
     assert told.times == 1
+
+
+def unreachable_config(tmp_path: Path) -> Path:
+    """A config whose etcd and broker never answer: for a Daemon driven by hand."""
+    return write_config(
+        tmp_path / "c.toml",
+        etcd="http://127.0.0.1:1",
+        prefix="/t/",
+        broker_url="http://127.0.0.1:1",
+        port=free_port(),
+    )
 
 
 def _lone_replica(tmp_path: Path, etcd: str, prefix: str) -> Replica:
@@ -536,13 +535,7 @@ async def test_a_sighup_after_the_config_is_read_reloads_once_the_daemon_listens
     from controllerd.daemon.metrics import Metrics
     from controllerd.daemon.runtime import Daemon
 
-    path = write_config(
-        tmp_path / "c.toml",
-        etcd="http://127.0.0.1:1",
-        prefix="/t/",
-        broker_url="http://127.0.0.1:1",
-        port=free_port(),
-    )
+    path = unreachable_config(tmp_path)
     original = signal.getsignal(signal.SIGHUP)
     hangups = 0
 
