@@ -3,7 +3,7 @@
 #   ./dev.sh run    set everything up, then run the embedded default (controllerd demo):
 #                   etcd, Kafka (tansu), the reference broker and two controllerd replicas
 #   ./dev.sh test   set everything up, then lint, type-check and run the whole test suite
-#                   (pytest-xdist, two workers; CONTROLLERD_TEST_WORKERS overrides)
+#                   (pytest-xdist, three workers; CONTROLLERD_TEST_WORKERS overrides)
 # Set-up is idempotent: system packages are installed only when missing, and the
 # virtualenv (.venv) is refreshed only when pyproject.toml changed.
 set -euo pipefail
@@ -64,13 +64,14 @@ case "$cmd" in
         (.venv/bin/mypy && .venv/bin/lint-imports) >"$checks_log" 2>&1 &
         checks=$!
         trap 'kill "$checks" 2>/dev/null || true' EXIT
-        # Two workers by default: most tests wait on etcd, brokers and subprocesses, so
-        # two run well on 2 cores; an idle worker steals tests from the other, so neither
-        # waits alone on a long file at the end. CONTROLLERD_TEST_WORKERS=0 runs
+        # Three workers by default, on 2 cores: most tests wait on etcd, brokers and
+        # subprocesses, and with two workers the cores stood ~30% idle; an idle worker
+        # steals tests from the others, so none waits alone on a long file at the end.
+        # CONTROLLERD_TEST_WORKERS=0 runs
         # everything in this process. Tests marked serial (rates measured on real
         # traffic) run afterwards, alone. Exit status 5 is "no test selected".
         tests_ok=0
-        .venv/bin/python -m pytest -n "${CONTROLLERD_TEST_WORKERS:-2}" --dist worksteal \
+        .venv/bin/python -m pytest -n "${CONTROLLERD_TEST_WORKERS:-3}" --dist worksteal \
             -m "not serial" "$@" || tests_ok=$?
         [ "$tests_ok" -ne 5 ] || tests_ok=0
         checks_ok=0
