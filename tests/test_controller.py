@@ -6,7 +6,7 @@ import contextlib
 import gc
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import pytest
@@ -657,6 +657,25 @@ async def test_a_deleted_topic_leaves_no_scope_cached_in_sharded_mode(
         assert sharded._scope_cache == {}
 
 
+_C = TypeVar("_C", bound=Controller)
+
+
+def offline(cls: type[_C], shards: int | None = None) -> _C:
+    """A controller of class ``cls`` with no config, etcd or broker: for the parts that
+    need none of them."""
+    return cls(
+        config=cast(Any, None),
+        store=cast(Any, None),
+        broker=cast(Any, None),
+        view=MetadataView(Keys("/p", "/c")),
+        metrics=Metrics(),
+        audit=AuditSink(),
+        clock=ManualClock(),
+        replica="r",
+        shards=shards,
+    )
+
+
 class CountingScopes(Controller):
     """Counts scope lookups: the work a revoke does per topic."""
 
@@ -672,17 +691,7 @@ async def test_revoking_a_shard_walks_only_that_shards_first_pass() -> None:
     shard's: a replica losing 128 of its 256 shards with 100,000 topics left to evaluate
     held the event loop 14 s. A revoke now costs its own shard's topics only."""
     shards = 64
-    c = CountingScopes(
-        config=cast(Any, None),
-        store=cast(Any, None),
-        broker=cast(Any, None),
-        view=MetadataView(Keys("/p", "/c")),
-        metrics=Metrics(),
-        audit=AuditSink(),
-        clock=ManualClock(),
-        replica="r",
-        shards=shards,
-    )
+    c = offline(CountingScopes, shards=shards)
     for shard in range(shards):
         c.grant(shard, Leadership(token=1, lease_id=0, identity={}, lost=anyio.Event()))
     names = topic_names(5_000)
@@ -1210,16 +1219,7 @@ class RecordedWrites(Controller):
 
 def recorded_writes(queued: int) -> RecordedWrites:
     """A leader with ``queued`` cold-since values queued, written by none yet."""
-    c = RecordedWrites(
-        config=cast(Any, None),
-        store=cast(Any, None),
-        broker=cast(Any, None),
-        view=MetadataView(Keys("/p", "/c")),
-        metrics=Metrics(),
-        audit=AuditSink(),
-        clock=ManualClock(),
-        replica="r",
-    )
+    c = offline(RecordedWrites)
     c.written, c.refuse = [], lambda ops: False
     c.grant(None, Leadership(token=1, lease_id=0, identity={}, lost=anyio.Event()))
     for i in range(queued):
