@@ -90,10 +90,6 @@ class HeldKeys:
     def __init__(self) -> None:
         self._slices: list[list[str]] = []
         self._shards: list[set[str]] = [set() for _ in range(HELD_SHARDS)]
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
 
     def add(self, keys: list[str]) -> None:
         """The next slice of the view's listing (its keys are distinct, and new here)."""
@@ -101,14 +97,10 @@ class HeldKeys:
         shards = self._shards
         for key in keys:
             shards[hash(key) % HELD_SHARDS].add(key)
-        self._count += len(keys)
 
     def discard(self, key: str) -> None:
         """``key`` is still in etcd."""
-        shard = self._shards[hash(key) % HELD_SHARDS]
-        if key in shard:
-            shard.remove(key)
-            self._count -= 1
+        self._shards[hash(key) % HELD_SHARDS].discard(key)
 
     def gone(self) -> Iterator[list[str]]:
         """The keys never discarded, last listed first: one list (maybe empty) per slice.
@@ -125,7 +117,6 @@ class HeldKeys:
                 if key in shard:
                     shard.remove(key)
                     gone.append(key)
-            self._count -= len(gone)
             del keys
             yield gone
 
