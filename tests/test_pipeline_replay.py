@@ -139,6 +139,39 @@ def test_the_short_path_makes_most_visits_and_changes_no_metric(
             assert sum(n for until, n in made if until is not None) > 0
 
 
+def wiggle(minutes: int, every: int) -> Trace:
+    """A load that moves a few percent a row (the reporters' gate stays quiet), a row every
+    ``every`` minutes, with a jump now and then (a record is written)."""
+    times, values = [], []
+    for i in range(0, minutes, every):
+        level = (2.5 if (i // 180) % 2 else 1.2) * (1.0 + 0.03 * ((i // every) % 3))
+        times.append(T0 + i * MINUTE)
+        values.append(level * THRESHOLD)
+    n = len(times)
+    return Trace(
+        "wiggle", "series", times, [0] * n, [0xFFFF] * n, [(v, v * 100, v, v * 100) for v in values]
+    )
+
+
+@pytest.mark.parametrize("heartbeat", [0.0, 300.0, 900.0])
+@pytest.mark.parametrize("segments", [1, 3, 4])
+def test_equal_segments_count_the_heartbeats_of_quiet_stretches(
+    segments: int, heartbeat: float
+) -> None:
+    """Equal static segments walked as one (the compiled short path; 3 of 65,536 hashes
+    are not equal, 4 are): quiet visits catch up on the heartbeats due since the last
+    record, N records each, also when the next is not due at the visit itself."""
+    base = static(segments)
+    strategy = dataclasses.replace(
+        base, report=dataclasses.replace(base.report, report_max_interval_seconds=heartbeat)
+    )
+    fast, slow = both(wiggle(24 * 60, 20), strategy, Skew())
+    assert_identical(fast, slow)
+    assert fast.visited_steps < slow.visited_steps / 10
+    if heartbeat:  # rows 20 minutes apart: more records than rows that change much
+        assert fast.metrics.load_writes > segments * 24 * 60 // 20
+
+
 levels = st.lists(
     st.tuples(st.one_of(st.floats(0, 0.15), st.floats(0, 6)), st.integers(1, 40)),
     min_size=1,

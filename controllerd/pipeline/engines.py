@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import heapq
+import importlib.util
 import json
 import logging
 import os
@@ -490,6 +491,22 @@ def ship_code(spark: SparkSession) -> str:
     key = str(sc.applicationId)
     if key in _SHIPPED:
         return _SHIPPED[key]
+    if str(sc.master).startswith("local"):
+        # The workers run on this machine: if they find the very files this driver
+        # imported, they need no zip (and keep the replay kernel's compiled cache,
+        # which a zip's per-session path would lose).
+
+        def find_package(_: object) -> str:
+            """Where a worker would import ``controllerd`` from, without importing it: a
+            nested function travels by value, so a worker that gets the zip next has
+            imported no other copy."""
+            spec = importlib.util.find_spec("controllerd")
+            return str(spec.origin) if spec is not None else ""
+
+        origin = sc.parallelize([0], 1).map(find_package).collect()[0]
+        if origin == str(controllerd.__file__):
+            _SHIPPED[key] = origin
+            return origin
     archive = package_zip()
     sc.addPyFile(str(archive))
     origin = sc.parallelize([0], 1).map(_origin).collect()[0]

@@ -374,7 +374,8 @@ class SeriesLoad:
         self._changes: tuple[list[RateTuple], list[Spread]] | None = None
         self._topic: dict[RateTuple, list[float]] = {}
         self._totals_array: npt.NDArray[np.float64] | None = None
-        self._visits: dict[int, tuple[list[int], list[int]]] = {}
+        self._visits: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
+        self._spread_ids: npt.NDArray[np.int64] | None = None
         self.uniform = all(isinstance(s, UniformSpread) for s in spreads)
         row = move = 0  # the last row and move at or before t (both lists are sorted)
         n_rows, n_moves = len(t_ms), len(spread_times)
@@ -414,6 +415,7 @@ class SeriesLoad:
                 times.append(t)
                 rows.append(i)
         self._spreads = [spread] * len(times)
+        self._spread_ids = np.zeros(len(times), dtype=np.int64)
 
     @property
     def start_ms(self) -> int:
@@ -454,22 +456,34 @@ class SeriesLoad:
             loads = self._topic[reference] = np.max(ratios, axis=1).tolist()
         return loads
 
-    def next_visits(self, step_ms: int) -> tuple[list[int], list[int]]:
+    def next_visits(self, step_ms: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """For a replay that steps by ``step_ms`` from :attr:`start_ms` and visits a step
         when the load changed: after a visit at which change ``c`` holds, the next visit
         is at ``after[c]`` (the first step at or after change ``c + 1``; past the last
         step, ``last_ms + step_ms`` rounded up to a step, when there is none), and change
         ``then[c]`` holds there. Kept per step."""
-        tables = self._visits.get(step_ms)
-        if tables is None:
+        arrays = self._visits.get(step_ms)
+        if arrays is None:
             start, end = self.start_ms, self.last_ms + step_ms
             times = np.array(self._times, dtype=np.int64)
             upcoming = np.append(times[1:], end)
             upcoming[upcoming >= end] = end
             after = start - (start - upcoming) // step_ms * step_ms  # rounded up to a step
-            then = np.searchsorted(times, after, side="right") - 1
-            tables = self._visits[step_ms] = (after.tolist(), then.tolist())
-        return tables
+            then = (np.searchsorted(times, after, side="right") - 1).astype(np.int64)
+            arrays = self._visits[step_ms] = (after, then)
+        return arrays
+
+    def spread_ids(self) -> npt.NDArray[np.int64]:
+        """For each change, a number for its spread object: equal numbers exactly for the
+        same object (a replay asks a spread for a share when the object changes). Kept."""
+        if self._spread_ids is None:
+            number: dict[int, int] = {}  # id() is stable: self._spreads keeps them alive
+            self._spread_ids = np.fromiter(
+                (number.setdefault(id(s), len(number)) for s in self._spreads),
+                np.int64,
+                len(self._spreads),
+            )
+        return self._spread_ids
 
     def snapshot(self, index: int) -> Snapshot:
         return _SeriesSnapshot(self._totals[self._rows[index]], self._spreads[index], self._memo)

@@ -57,7 +57,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, Final
 
 import numpy as np
@@ -88,8 +88,8 @@ from controllerd.core.policy import (
     observes_records,
     stale_at,
 )
+from controllerd.pipeline import kernel
 from controllerd.pipeline.load import (
-    ZERO,
     LoadSource,
     Ranges,
     RateTuple,
@@ -368,7 +368,8 @@ class _Idle:
     + aws that holds at nine visits in ten: in calm stretches (``may_act``
     False, nothing cold beside something cold) and while cold segments wait
     out their merge window. Such visits only measure and let reporters write.
-    This walks them with plain locals instead of the general loop, given
+    This walks them in compiled code (:mod:`.kernel`) instead of the general
+    loop, given
     ``until`` (when a pair could ripen, :func:`next_ripe_ms`; None: never), and
     stops *before* the first visit that could be anything else: a hot record,
     a new cold record whose window is already over (a merge child that
@@ -383,7 +384,8 @@ class _Idle:
     (heartbeats that are counted, or no heartbeats and no TTL) and no peak
     window is kept. Every metric stays bit-identical to the general loop (tests
     compare both with the step-by-step replay); the per-visit sums add the
-    segments' terms in the same order.
+    segments' terms in the same order. Python keeps what needs its objects: the
+    groups, a spread's shares, inherited cold-since, the reporters handed back.
     """
 
     def __init__(
@@ -402,22 +404,48 @@ class _Idle:
     ) -> None:
         self.source = source
         self.times = source.change_times()
-        self.after, self.then = source.next_visits(step_ms)
-        self.totals, self.spreads = source.changes()
+        self.spreads = source.changes()[1]
         self.uniform = source.uniform
-        self.gate = gate
         self.policy = policy
-        self.reference = reference
         self.step_ms = step_ms
-        self.heartbeat_ms = heartbeat_ms
-        self.hb_ms = hb_ms
-        self.lazy = lazy_heartbeats
         self.track_cold = track_cold
         self.n_buckets = n_buckets
         self.split = policy.split_thresholds.as_tuple()
         self.merge = policy.merge_thresholds.as_tuple()
         #: the topic's load from each change on, as the general loop measures it
         self.topic_at = source.topic_loads(reference)
+        # what the compiled one-segment path reads (kernel.py)
+        self.totals_array = source.totals_array()
+        self.after_array, self.then_array = source.next_visits(step_ms)
+        self.spread_ids = source.spread_ids()
+        self.rows_t = np.empty(len(self.times) + 2, dtype=np.int64)
+        self.rows_c = np.empty(len(self.times) + 2, dtype=np.int64)
+        self.flips = np.empty(len(self.times) + 2, dtype=np.int64)
+        self.state = np.zeros(kernel.S_SIZE, dtype=np.int64)
+        self.written = np.zeros(4, dtype=np.float64)
+        fp = np.zeros(kernel.F_SIZE, dtype=np.float64)
+        fp[kernel.F_LIMIT] = gate.limit
+        fp[kernel.F_GATE_SPLIT : kernel.F_GATE_SPLIT + 4] = gate.split
+        fp[kernel.F_GATE_MERGE : kernel.F_GATE_MERGE + 4] = gate.merge
+        fp[kernel.F_MERGE : kernel.F_MERGE + 4] = self.merge
+        fp[kernel.F_SPLIT : kernel.F_SPLIT + 4] = self.split
+        fp[kernel.F_WINDOW] = policy.merge_window_seconds * 1000.0  # backoff only lengthens it
+        fp[kernel.F_HEARTBEAT] = hb_ms
+        self.params_float = fp
+        ip = np.zeros(kernel.P_SIZE, dtype=np.int64)
+        ip[kernel.P_STEP], ip[kernel.P_HEARTBEAT] = step_ms, heartbeat_ms
+        ip[kernel.P_LAZY], ip[kernel.P_CROSSING] = lazy_heartbeats, gate.crossing
+        ip[kernel.P_ENABLED], ip[kernel.P_TRACK_COLD] = policy.enabled, track_cold
+        self.params_int = ip
+        fr = np.zeros(kernel.F_RUN_SIZE, dtype=np.float64)
+        fr[: kernel.F_SIZE] = fp
+        fr[kernel.F_REFERENCE : kernel.F_REFERENCE + 4] = reference
+        self.params_float_run = fr
+        self.params_run = np.zeros(kernel.P_RUN_SIZE, dtype=np.int64)
+        self.params_run[: kernel.P_SIZE] = ip
+        self.rows_above = np.empty(len(self.times) + 2, dtype=np.int64)
+        self.rows_f = np.empty((len(self.times) + 2, 3), dtype=np.float64)
+        self.events = np.empty((len(self.times) + 2, kernel.EVENT_SIZE), dtype=np.int64)
 
     def run(
         self,
@@ -441,8 +469,7 @@ class _Idle:
         for _, _, _, rep in segs:
             if rep.written is None or rep.written_at is None:
                 return t, change, 0, 0, until
-        policy, enabled = self.policy, self.policy.enabled
-        track_cold = self.track_cold
+        policy, track_cold = self.policy, self.track_cold
         # groups of segments that evolve identically: key -> index
         keys: dict[tuple[object, ...], int] = {}
         group_of: list[int] = []
@@ -471,155 +498,88 @@ class _Idle:
                 runs,
                 until,
             )
-        first = [segs[m[0]] for m in members]
-        written: list[RateTuple] = [rep.written for _, _, _, rep in first]  # type: ignore[misc]
-        written_at: list[int] = [rep.written_at for _, _, _, rep in first]  # type: ignore[misc]
-        changed_at = [rep.changed_at for _, _, _, rep in first]
-        count = [len(m) for m in members]
-        touched = [False] * ng
-        wrote = [-1] * ng  # change index of the group's last write in this run
-        merge_lo, merge_hi = self.merge, self.split
-        m0, m1, m2, m3 = merge_lo
-        s0, s1, s2, s3 = merge_hi
-        r0, r1, r2, r3 = self.reference
-        cold = [w[0] < m0 and w[1] < m1 and w[2] < m2 and w[3] < m3 for w in written]
-        merging = len(segs) > policy.min_segments
-        window_ms = policy.merge_window_seconds * 1000.0  # backoff only lengthens it
-        quiet = self.gate.quiet
-        totals, spreads = self.totals, self.spreads
-        step_ms, heartbeat_ms, hb_ms, lazy = self.step_ms, self.heartbeat_ms, self.hb_ms, self.lazy
-        n = len(segs)
-        shares: list[float] = []
-        shares_of: object = None
-        writes = visits = 0
-        scores = [0.0] * ng
-        firsts = [0.0] * ng  # each group's msg/s in at this visit
-        # (group, 0: heartbeats caught up / 1: and one at t / 2: a new record, written at,
-        # heartbeats caught up, the new record's rates)
-        pending: list[tuple[int, int, int, int, RateTuple]] = []
-        apart = group_of == list(range(ng))  # one segment a group, in segment order
-        end = last + step_ms
-        after, then = self.after, self.then
-        cut, c = self._start(t, change, end, sealed, retention_ms, until)
-        run_t, run_measures = runs.t, runs.measures
-        topic_at = self.topic_at
-        while t <= last:
-            if t >= cut:
-                break  # a GC changes the layout, or decide's answer may change with time
-            spread = spreads[c]
-            if spread is not shares_of:
-                shares_of = spread
-                shares = [spread.share(segs[m[0]][1], segs[m[0]][2]) for m in members]
-            t0, t1, t2, t3 = totals[c]
-            stop = False
-            visit_until: int | None = None
-            pending.clear()
-            above = 0
-            step_excess = step_msgs = hottest = 0.0
-            for g in range(ng):
-                sh = shares[g]
-                c0, c1, c2, c3 = t0 * sh, t1 * sh, t2 * sh, t3 * sh
-                score = c0 / r0
-                if (x := c1 / r1) > score:
-                    score = x
-                if (x := c2 / r2) > score:
-                    score = x
-                if (x := c3 / r3) > score:
-                    score = x
-                if apart:  # the groups are the segments, in order: measure them here
-                    if score > 1.0:
-                        above += 1
-                        step_excess += score - 1.0
-                        if c0 > r0:
-                            step_msgs += c0 - r0
-                    if score > hottest:  # noqa: PLR1730 - not max(): per segment per visit
-                        hottest = score
+        k = kernel
+        firsts = [segs[m[0]] for m in members]
+        m0, m1, m2, m3 = self.merge
+        # one array each, built from rows: a call costs less than a column
+        int_rows: list[list[int]] = []
+        float_rows: list[list[float]] = []
+        for (sid, _, _, rep), m in zip(firsts, members, strict=True):
+            w0, w1, w2, w3 = rep.written  # type: ignore[misc]
+            cold = w0 < m0 and w1 < m1 and w2 < m2 and w3 < m3
+            listed = track_cold and sid in cold_since
+            at: int = rep.written_at  # type: ignore[assignment]  # checked above
+            int_rows.append([at, rep.changed_at, -1, 0, cold, len(m), 0, 0, listed, -1, 0, 0])
+            float_rows.append([0.0, w0, w1, w2, w3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        gi = np.array(int_rows, dtype=np.int64)
+        gf = np.array(float_rows, dtype=np.float64)
+        cut, c = self._start(t, change, last + self.step_ms, sealed, retention_ms, until)
+        st = np.array(
+            [t, c, change, 0, 0, until is not None, until or 0, cut, -1, 0, 0, 0], dtype=np.int64
+        )
+        ip = self.params_run
+        ip[k.P_LAST], ip[k.P_SEGMENTS] = last, len(segs)
+        ip[k.P_MERGING] = len(segs) > policy.min_segments
+        ip[k.P_APART] = group_of == list(range(ng))  # one segment a group, in segment order
+        group_array = np.array(group_of, dtype=np.int64)
+        if len(self.events) <= ng:  # a visit's events must fit
+            self.events = np.empty((2 * ng, kernel.EVENT_SIZE), dtype=np.int64)
+        events = self.events
+        rows_t, rows_c, rows_above, rows_f = self.rows_t, self.rows_c, self.rows_above, self.rows_f
+        run_t, run_measures, topic_at, n = runs.t, runs.measures, self.topic_at, len(segs)
+        while True:
+            code = k.idle_run(
+                self.totals_array, self.after_array, self.then_array, self.spread_ids,
+                self.params_float_run, ip, st, gi, gf, group_array,
+                rows_t, rows_c, rows_above, rows_f, events,
+            )  # fmt: skip
+            (t, c, change, writes, visits, has_until, until_ms, _, _, rows, n_events, need) = (
+                st.tolist()
+            )
+            if rows:
+                run_t.extend(rows_t[:rows].tolist())
+                run_measures.extend(
+                    zip(
+                        repeat(n, rows),
+                        rows_above[:rows].tolist(),
+                        rows_f[:rows, 0].tolist(),
+                        rows_f[:rows, 1].tolist(),
+                        rows_f[:rows, 2].tolist(),
+                        map(topic_at.__getitem__, rows_c[:rows].tolist()),
+                        strict=True,
+                    )
+                )
+            for g, at, listed in events[:n_events].tolist():  # tracked: one segment a group
+                sid = firsts[g][0]
+                if listed:
+                    inherited = inherited_cold_since(layout, sid, sealed_cold)
+                    cold_since[sid] = inherited if inherited is not None else at
                 else:
-                    scores[g], firsts[g] = score, c0
-                w = written_at[g]
-                due = 0
-                if lazy and t - w > heartbeat_ms:  # (t - 1 - w) // heartbeat_ms > 0
-                    due = (t - 1 - w) // heartbeat_ms
-                    w += due * heartbeat_ms
-                if quiet(written[g], c0, c1, c2, c3):
-                    if heartbeat_ms and t - w >= hb_ms:
-                        pending.append((g, 1, t, due, ZERO))
-                    elif due:
-                        pending.append((g, 0, w, due, ZERO))
-                    continue
-                if enabled:
-                    if c0 > s0 or c1 > s1 or c2 > s2 or c3 > s3:
-                        stop = True  # a hot record: may_act_now
-                        break
-                    if merging and c0 < m0 and c1 < m1 and c2 < m2 and c3 < m3 and not cold[g]:
-                        # a new cold record: no pair with it ripens before its window ends
-                        since = t
-                        if track_cold:
-                            sid = segs[members[g][0]][0]
-                            inherited = inherited_cold_since(layout, sid, sealed_cold)
-                            since = inherited if inherited is not None else t
-                        ripens = math.floor(since + window_ms)
-                        if ripens <= t:
-                            stop = True
-                            break
-                        if visit_until is None or ripens < visit_until:
-                            visit_until = ripens
-                pending.append((g, 2, t, due, (c0, c1, c2, c3)))
-            if stop:
+                    del cold_since[sid]
+            if code == k.SPREAD:
+                spread = self.spreads[c]
+                gf[:, k.G_SHARE] = [spread.share(a, b) for _, a, b, _ in firsts]
+                st[k.R_SPREAD] = self.spread_ids[c]
+            elif code == k.INHERIT:
+                inherited = inherited_cold_since(layout, firsts[need][0], sealed_cold)
+                gi[need, k.G_INHERITED] = 1 if inherited is not None else 2
+                gi[need, k.G_SINCE] = inherited or 0
+            elif code != k.EVENTS:
                 break
-            # commit the visit: the groups that wrote or caught up on heartbeats
-            if visit_until is not None and (until is None or visit_until < until):
-                until = visit_until
-                cut = min(cut, until)
-            change = c
-            for g, kind, at, due, loads in pending:
-                written_at[g] = at
-                writes += (due + (kind > 0)) * count[g]
-                touched[g] = True
-                if kind == 2:
-                    written[g] = loads
-                    changed_at[g] = t
-                    wrote[g] = c
-                    if enabled:
-                        is_cold = (
-                            loads[0] < m0 and loads[1] < m1 and loads[2] < m2 and loads[3] < m3
-                        )
-                        cold[g] = is_cold
-                        if track_cold:
-                            sid = segs[members[g][0]][0]
-                            if is_cold and sid not in cold_since:
-                                inherited = inherited_cold_since(layout, sid, sealed_cold)
-                                cold_since[sid] = inherited if inherited is not None else t
-                            elif not is_cold and sid in cold_since:
-                                del cold_since[sid]
-            if not apart:
-                for g in group_of:  # segment order
-                    score = scores[g]
-                    if score > 1.0:
-                        above += 1
-                        step_excess += score - 1.0
-                        if (c0 := firsts[g]) > r0:
-                            step_msgs += c0 - r0
-                    if score > hottest:  # noqa: PLR1730 - not max(): per segment per visit
-                        hottest = score
-            visits += 1
-            following = after[c]
-            if following > cut:  # the first step at or after it (cut > t here)
-                following = t - (t - cut) // step_ms * step_ms
-            run_t.append(t)
-            run_measures.append((n, above, step_excess, step_msgs, hottest, topic_at[c]))
-            t, c = following, then[c]
-        for g in range(ng):
+        for m, ints, floats in zip(members, gi.tolist(), gf.tolist(), strict=True):
+            group = [segs[i] for i in m]
+            wrote = ints[k.G_WROTE]
+            loads = floats[k.G_WRITTEN : k.G_WRITTEN + 4]
             self._hand_back(
-                [segs[i] for i in members[g]],
-                written[g],
-                written_at[g],
-                changed_at[g],
-                touched[g],
-                wrote[g],
+                group,
+                (loads[0], loads[1], loads[2], loads[3]) if wrote >= 0 else group[0][3].written,  # type: ignore[arg-type]
+                ints[k.G_WRITTEN_AT],
+                ints[k.G_CHANGED_AT],
+                bool(ints[k.G_TOUCHED]),
+                wrote,
                 stale_view,
             )
-        return t, change, writes, visits, until
+        return t, change, writes, visits, until_ms if has_until else None
 
     def _start(
         self,
@@ -685,132 +645,67 @@ class _Idle:
     ) -> tuple[int, int, int, int, int | None]:
         """:meth:`run` when every segment evolves alike (one segment, or N equal static ones).
 
-        Its loop repeats :meth:`run`'s per-visit steps on plain locals rather than
-        calling shared helpers: a call per visit would add a fifth to a visit that
-        costs about 2 us, and these are most of the replay's visits."""
-        policy, enabled, track_cold = self.policy, self.policy.enabled, self.track_cold
+        The visits are made by the compiled kernel (:mod:`.kernel`), which hands back
+        for a new spread (a share to work out); the times at which a tracked record
+        turned cold or warm it lists, and they are applied here, in order."""
         n = len(segs)
         sid0, a0, b0, rep0 = segs[0]
-        written: RateTuple = rep0.written  # type: ignore[assignment]
-        written_at: int = rep0.written_at  # type: ignore[assignment]
-        changed_at = rep0.changed_at
-        touched = False
-        wrote = -1
+        written = self.written
+        written[:] = rep0.written
         m0, m1, m2, m3 = self.merge
-        s0, s1, s2, s3 = self.split
-        cold = written[0] < m0 and written[1] < m1 and written[2] < m2 and written[3] < m3
+        w0, w1, w2, w3 = rep0.written  # type: ignore[misc]
+        cold = w0 < m0 and w1 < m1 and w2 < m2 and w3 < m3
+        cut, c = self._start(t, change, last + self.step_ms, sealed, retention_ms, until)
+        st = self.state
+        written_at: int = rep0.written_at  # type: ignore[assignment]  # run() checked it
+        st[:] = (
+            t, c, change, written_at, rep0.changed_at, -1, 0, 0, cold,
+            until is not None, until or 0, cut, -1, 0, 0,
+        )  # fmt: skip
+        ip = self.params_int
+        ip[kernel.P_LAST], ip[kernel.P_SEGMENTS] = last, n
         # n equal records that turn cold are n adjacent cold records
-        cold_stops = enabled and n >= 2 and n > policy.min_segments
-        window_ms = policy.merge_window_seconds * 1000.0  # backoff only lengthens it
-        gate = self.gate
-        lim, crossing = gate.limit, gate.crossing
-        g0, g1, g2, g3 = gate.split
-        h0, h1, h2, h3 = gate.merge
-        totals, spreads = self.totals, self.spreads
-        step_ms, heartbeat_ms, hb_ms, lazy = self.step_ms, self.heartbeat_ms, self.hb_ms, self.lazy
-        end = last + step_ms
-        after, then = self.after, self.then
-        cut, c = self._start(t, change, end, sealed, retention_ms, until)
-        run_t = runs.t
+        ip[kernel.P_COLD_STOPS] = self.policy.enabled and n >= 2 and n > self.policy.min_segments
+        fp = self.params_float
+        run_t, spreads, ids = runs.t, self.spreads, self.spread_ids
+        rows_t, rows_c, flips = self.rows_t, self.rows_c, self.flips
         first_row = len(run_t)
-        share = 0.0
-        shares_of: object = None
         block: list[int] = []
-        writes = 0
-        while t <= last:
-            if t >= cut:
-                break  # a GC changes the layout, or decide's answer may change with time
-            spread = spreads[c]
-            if spread is not shares_of:
-                shares_of, share = spread, spread.share(a0, b0)
-                block = []
-                runs.blocks.append((len(run_t), share, n, block))
-            t0, t1, t2, t3 = totals[c]
-            c0, c1, c2, c3 = t0 * share, t1 * share, t2 * share, t3 * share
-            w = written_at
-            due = 0
-            if lazy and t - w > heartbeat_ms:  # (t - 1 - w) // heartbeat_ms > 0
-                due = (t - 1 - w) // heartbeat_ms
-                w += due * heartbeat_ms
-            o0, o1, o2, o3 = written
-            if (  # Gate.quiet, inline: this is most of what an idle visit does
-                (
-                    o0 == c0
-                    or not (
-                        o0 == 0.0
-                        or c0 == 0.0
-                        or abs(c0 - o0) > lim * abs(o0)
-                        or (crossing and ((o0 > g0) != (c0 > g0) or (o0 < h0) != (c0 < h0)))
-                    )
-                )
-                and (
-                    o1 == c1
-                    or not (
-                        o1 == 0.0
-                        or c1 == 0.0
-                        or abs(c1 - o1) > lim * abs(o1)
-                        or (crossing and ((o1 > g1) != (c1 > g1) or (o1 < h1) != (c1 < h1)))
-                    )
-                )
-                and (
-                    o2 == c2
-                    or not (
-                        o2 == 0.0
-                        or c2 == 0.0
-                        or abs(c2 - o2) > lim * abs(o2)
-                        or (crossing and ((o2 > g2) != (c2 > g2) or (o2 < h2) != (c2 < h2)))
-                    )
-                )
-                and (
-                    o3 == c3
-                    or not (
-                        o3 == 0.0
-                        or c3 == 0.0
-                        or abs(c3 - o3) > lim * abs(o3)
-                        or (crossing and ((o3 > g3) != (c3 > g3) or (o3 < h3) != (c3 < h3)))
-                    )
-                )
-            ):
-                if heartbeat_ms and t - w >= hb_ms:
-                    w = t
-                    writes += (due + 1) * n
-                    touched = True
-                elif due:
-                    writes += due * n
-                    touched = True
-                written_at = w
-            else:
-                now_cold = c0 < m0 and c1 < m1 and c2 < m2 and c3 < m3
-                if enabled and (c0 > s0 or c1 > s1 or c2 > s2 or c3 > s3):
-                    break  # a hot record: may_act_now
-                if enabled and now_cold and not cold and cold_stops:
-                    # n equal records turn cold together: they ripen when the window ends
-                    ripens = math.floor(t + window_ms)
-                    if ripens <= t:
-                        break
-                    if until is None or ripens < until:
-                        until = ripens
-                        cut = min(cut, until)
-                writes += (due + 1) * n
-                touched = True
-                written, written_at, changed_at, wrote = (c0, c1, c2, c3), t, t, c
-                if enabled and now_cold is not cold:
-                    cold = now_cold
-                    if track_cold:  # then n == 1
-                        if cold and sid0 not in cold_since:
-                            inherited = inherited_cold_since(layout, sid0, sealed_cold)
-                            cold_since[sid0] = inherited if inherited is not None else t
-                        elif not cold and sid0 in cold_since:
-                            del cold_since[sid0]
-            change = c
-            following = after[c]
-            if following > cut:  # the first step at or after it (cut > t here)
-                following = t - (t - cut) // step_ms * step_ms
-            run_t.append(t)
-            block.append(c)  # measured once the replay ends (RunArrays.of)
-            t, c = following, then[c]
-        self._hand_back(segs, written, written_at, changed_at, touched, wrote, stale_view)
-        return t, change, writes, len(run_t) - first_row, until
+        while True:
+            code = kernel.idle_one(
+                self.totals_array, self.after_array, self.then_array, ids, fp, ip, st,
+                written, rows_t, rows_c, flips,
+            )  # fmt: skip
+            (t, c, change, written_at, changed_at, wrote, touched, writes, _, has_until,
+             until_ms, _, _, rows, n_flips) = st.tolist()  # fmt: skip
+            if rows:
+                run_t.extend(rows_t[:rows].tolist())
+                block.extend(rows_c[:rows].tolist())
+            for at in flips[:n_flips].tolist():  # tracked, so n == 1
+                cold = not cold
+                if cold and sid0 not in cold_since:
+                    inherited = inherited_cold_since(layout, sid0, sealed_cold)
+                    cold_since[sid0] = inherited if inherited is not None else at
+                elif not cold and sid0 in cold_since:
+                    del cold_since[sid0]
+            if code != kernel.SPREAD:
+                break
+            fp[kernel.F_SHARE] = share = spreads[c].share(a0, b0)
+            st[kernel.S_SPREAD] = ids[c]
+            block = []
+            runs.blocks.append((len(run_t), share, n, block))
+        if wrote >= 0:
+            w0, w1, w2, w3 = written.tolist()
+        self._hand_back(
+            segs,
+            (w0, w1, w2, w3) if wrote >= 0 else rep0.written,  # type: ignore[arg-type]
+            written_at,
+            changed_at,
+            bool(touched),
+            wrote,
+            stale_view,
+        )
+        return t, change, writes, len(run_t) - first_row, until_ms if has_until else None
 
 
 def simulate(
