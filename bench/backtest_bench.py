@@ -102,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"timeline points:   {args.timeline_points} a group")
 
     sample = next((t for t in traces if t.name == args.sample), traces[0])
+    # Not timed: a process's first replay loads the compiled kernels (about 0.3 s from
+    # the disk cache, 6 s to compile without one), as each Spark worker does once.
+    simulate(source_for(sample, Skew(), 0), variants[0].strategy, REFERENCE_THRESHOLDS)
     fast = slow = 0.0
     steps = visited = 0
     for v in variants:

@@ -213,8 +213,7 @@ def idle_one(
 
 
 # What :func:`idle_run` also answers.
-INHERIT: Final = 3  #: group ``st[R_NEED]`` turned cold: set its inherited cold-since, again
-EVENTS: Final = 4  #: the event buffer is full: apply the events, again
+EVENTS: Final = 3  #: the event buffer is full: apply the events, again
 
 # Per-group integer columns (``gi``).
 G_WRITTEN_AT: Final = 0
@@ -223,7 +222,7 @@ G_WROTE: Final = 2  #: the change index of the group's last write in this run, o
 G_TOUCHED: Final = 3
 G_COLD: Final = 4
 G_COUNT: Final = 5  #: segments in the group
-G_INHERITED: Final = 6  #: 0: not known yet; 1: known, in ``G_SINCE``; 2: known, none
+G_INHERITED: Final = 6  #: tracked: 1 the segment inherits ``G_SINCE``, 2 it inherits none
 G_SINCE: Final = 7
 G_LISTED: Final = 8  #: whether the caller's cold-since holds the group's segment
 G_KIND: Final = 9  #: this visit's pending change: -1 none, 0 heartbeats caught up,
@@ -260,8 +259,7 @@ R_CUT: Final = 7
 R_SPREAD: Final = 8
 R_ROWS: Final = 9
 R_EVENTS: Final = 10
-R_NEED: Final = 11
-R_SIZE: Final = 12
+R_SIZE: Final = 11
 
 #: a cold-since event: (group, time, 1 listed / 0 removed)
 EVENT_SIZE: Final = 3
@@ -287,11 +285,11 @@ def idle_run(
 ) -> int:
     """:meth:`simulate._Idle.run`'s visits for several groups of segments, from ``st[R_T]``.
 
-    A visit is all or nothing: one that stops (a hot record, a pair ripe now, a share or
-    an inherited cold-since to work out) changes no state, and is made again on the next
-    call. Each visit made is a row: its time, change index, segments above the
-    reference, excess, excess msg/s and hottest segment (``rows_f``' three columns).
-    Changes to the caller's cold-since are events, applied by the caller in order."""
+    A visit is all or nothing: one that stops (a hot record, a pair ripe now, a share to
+    work out) changes no state, and is made again on the next call. Each visit made is
+    a row: its time, change index, segments above the reference, excess, excess msg/s
+    and hottest segment (``rows_f``' three columns). Changes to the caller's cold-since
+    are events, applied by the caller in order."""
     lim = fp[F_LIMIT]
     g0, g1, g2, g3 = fp[1], fp[2], fp[3], fp[4]
     h0, h1, h2, h3 = fp[5], fp[6], fp[7], fp[8]
@@ -371,15 +369,8 @@ def idle_run(
                 if merging and c0 < m0 and c1 < m1 and c2 < m2 and c3 < m3 and gi[g, G_COLD] == 0:
                     # a new cold record: no pair with it ripens before its window ends
                     since = t
-                    if track_cold:
-                        known = gi[g, G_INHERITED]
-                        if known == 0:
-                            st[R_NEED] = g
-                            stop = True
-                            code = INHERIT
-                            break
-                        if known == 1:
-                            since = gi[g, G_SINCE]
+                    if track_cold and gi[g, G_INHERITED] == 1:
+                        since = gi[g, G_SINCE]
                     ripens = math.floor(since + window_ms)
                     if ripens <= t:
                         stop = True

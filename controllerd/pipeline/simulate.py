@@ -504,18 +504,28 @@ class _Idle:
         # one array each, built from rows: a call costs less than a column
         int_rows: list[list[int]] = []
         float_rows: list[list[float]] = []
-        for (sid, _, _, rep), m in zip(firsts, members, strict=True):
+        cut, c = self._start(t, change, last + self.step_ms, sealed, retention_ms, until)
+        spread = self.spreads[c]  # the first visit's (a new one makes the kernel hand back)
+        # with cold-since tracked, a group is one segment, whose inherited cold-since the
+        # layout fixes for the whole run
+        inherited: list[int | None] = [
+            inherited_cold_since(layout, sid, sealed_cold) if track_cold else None
+            for sid, _, _, _ in firsts
+        ]
+        for (sid, a, b, rep), m, since in zip(firsts, members, inherited, strict=True):
             w0, w1, w2, w3 = rep.written  # type: ignore[misc]
             cold = w0 < m0 and w1 < m1 and w2 < m2 and w3 < m3
             listed = track_cold and sid in cold_since
             at: int = rep.written_at  # type: ignore[assignment]  # checked above
-            int_rows.append([at, rep.changed_at, -1, 0, cold, len(m), 0, 0, listed, -1, 0, 0])
-            float_rows.append([0.0, w0, w1, w2, w3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-        gi = np.array(int_rows, dtype=np.int64)
+            known = 2 if since is None else 1
+            int_rows.append([at, rep.changed_at, -1, 0, cold, len(m), known, since or 0, listed])
+            float_rows.append([spread.share(a, b), w0, w1, w2, w3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        gi = np.zeros((ng, k.G_INT), dtype=np.int64)
+        gi[:, : k.G_LISTED + 1] = int_rows
         gf = np.array(float_rows, dtype=np.float64)
-        cut, c = self._start(t, change, last + self.step_ms, sealed, retention_ms, until)
         st = np.array(
-            [t, c, change, 0, 0, until is not None, until or 0, cut, -1, 0, 0, 0], dtype=np.int64
+            [t, c, change, 0, 0, until is not None, until or 0, cut, self.spread_ids[c], 0, 0],
+            dtype=np.int64,
         )
         ip = self.params_run
         ip[k.P_LAST], ip[k.P_SEGMENTS] = last, len(segs)
@@ -533,9 +543,7 @@ class _Idle:
                 self.params_float_run, ip, st, gi, gf, group_array,
                 rows_t, rows_c, rows_above, rows_f, events,
             )  # fmt: skip
-            (t, c, change, writes, visits, has_until, until_ms, _, _, rows, n_events, need) = (
-                st.tolist()
-            )
+            (t, c, change, writes, visits, has_until, until_ms, _, _, rows, n_events) = st.tolist()
             if rows:
                 run_t.extend(rows_t[:rows].tolist())
                 run_measures.extend(
@@ -550,20 +558,15 @@ class _Idle:
                     )
                 )
             for g, at, listed in events[:n_events].tolist():  # tracked: one segment a group
-                sid = firsts[g][0]
+                sid, since = firsts[g][0], inherited[g]
                 if listed:
-                    inherited = inherited_cold_since(layout, sid, sealed_cold)
-                    cold_since[sid] = inherited if inherited is not None else at
+                    cold_since[sid] = since if since is not None else at
                 else:
                     del cold_since[sid]
             if code == k.SPREAD:
                 spread = self.spreads[c]
                 gf[:, k.G_SHARE] = [spread.share(a, b) for _, a, b, _ in firsts]
                 st[k.R_SPREAD] = self.spread_ids[c]
-            elif code == k.INHERIT:
-                inherited = inherited_cold_since(layout, firsts[need][0], sealed_cold)
-                gi[need, k.G_INHERITED] = 1 if inherited is not None else 2
-                gi[need, k.G_SINCE] = inherited or 0
             elif code != k.EVENTS:
                 break
         for m, ints, floats in zip(members, gi.tolist(), gf.tolist(), strict=True):
@@ -671,6 +674,11 @@ class _Idle:
         rows_t, rows_c, flips = self.rows_t, self.rows_c, self.flips
         first_row = len(run_t)
         block: list[int] = []
+        inherited: tuple[int | None] | None = None
+        if t <= last and t < cut:  # the first visit's spread (a new one makes it hand back)
+            fp[kernel.F_SHARE] = share = spreads[c].share(a0, b0)
+            st[kernel.S_SPREAD] = ids[c]
+            runs.blocks.append((first_row, share, n, block))
         while True:
             code = kernel.idle_one(
                 self.totals_array, self.after_array, self.then_array, ids, fp, ip, st,
@@ -684,8 +692,10 @@ class _Idle:
             for at in flips[:n_flips].tolist():  # tracked, so n == 1
                 cold = not cold
                 if cold and sid0 not in cold_since:
-                    inherited = inherited_cold_since(layout, sid0, sealed_cold)
-                    cold_since[sid0] = inherited if inherited is not None else at
+                    if inherited is None:  # the layout fixes it for the whole run
+                        inherited = (inherited_cold_since(layout, sid0, sealed_cold),)
+                    since = inherited[0]
+                    cold_since[sid0] = since if since is not None else at
                 elif not cold and sid0 in cold_since:
                     del cold_since[sid0]
             if code != kernel.SPREAD:
