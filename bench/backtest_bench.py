@@ -60,6 +60,19 @@ def steps_of(result: pd.DataFrame, interval_seconds: dict[str, float]) -> float:
     )
 
 
+def host_reference() -> float:
+    """Seconds for a fixed pure-Python loop (best of 3): this machine's speed varies by a
+    third from hour to hour, so figures from different runs compare only next to it."""
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        total = 0
+        for i in range(20_000_000):
+            total += i
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
@@ -98,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = len(traces) * len(variants)
     options = RunOptions(timeline_points=args.timeline_points)
     print(f"cores:             {os.cpu_count()}")
+    print(f"this host's speed: {host_reference():.2f} s for 20 million additions in Python")
     print(f"traces x variants: {len(traces)} x {len(variants)} = {groups} groups")
     print(f"timeline points:   {args.timeline_points} a group")
 
