@@ -26,25 +26,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import Final, TypeVar, cast
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
-
-Fn = TypeVar("Fn", bound=Callable[..., object])
-
 
 #: Imported from a zip (the code shipped to a Spark cluster's executors, unpacked at a
 #: new path each session), a disk cache would only pile up: each process compiles.
 CACHED: Final = ".zip" + os.sep not in __file__
-
-
-def _jit(function: Fn) -> Fn:
-    """Compiled on first use (about 6 s for both kernels), and cached on disk next to this
-    file (or, where that is not writable, in the user's cache directory), so a machine
-    pays the compile once per version of this file."""
-    return cast(Fn, njit(cache=CACHED, nogil=True)(function))
 
 
 I64 = npt.NDArray[np.int64]
@@ -99,7 +88,6 @@ S_FLIPS: Final = 14  #: times put in ``flips`` by this call
 S_SIZE: Final = 15
 
 
-@_jit
 def _moved(o: float, c: float, lim: float, crossing: bool, split: float, merge: float) -> bool:
     """One rate of :meth:`simulate.Gate.quiet`, negated: whether a change from ``o`` to
     ``c`` is material (a record is written)."""
@@ -111,8 +99,7 @@ def _moved(o: float, c: float, lim: float, crossing: bool, split: float, merge: 
     )
 
 
-@_jit
-def idle_one(
+def _idle_one(
     totals: F64,
     after: I64,
     then: I64,
@@ -265,8 +252,7 @@ R_SIZE: Final = 11
 EVENT_SIZE: Final = 3
 
 
-@_jit
-def idle_run(
+def _idle_run(
     totals: F64,
     after: I64,
     then: I64,
@@ -435,3 +421,28 @@ def idle_run(
     st[R_HAS_UNTIL], st[R_UNTIL], st[R_CUT] = 1 if has_until else 0, until, cut
     st[R_ROWS], st[R_EVENTS] = rows, n_events
     return code
+
+
+Kernel = Callable[..., int]
+
+# Declared here, compiled on first use (:func:`__getattr__`).
+idle_one: Kernel
+idle_run: Kernel
+
+
+def __getattr__(name: str) -> Kernel:
+    """Compile the kernels when one is first asked for, and cache them on disk next to
+    this file (or, where that is not writable, in the user's cache directory): about 6 s
+    once per machine and version of this file, then 0.3 s a process to load. numba is
+    imported only then (0.45 s), so a process that never replays does not pay for it."""
+    if name not in ("idle_one", "idle_run"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from numba import njit
+
+    jit = njit(cache=CACHED, nogil=True)
+    module = globals()
+    module["_moved"] = jit(_moved)  # before the kernels that call it are compiled
+    module["idle_one"] = jit(_idle_one)
+    module["idle_run"] = jit(_idle_run)
+    kernel: Kernel = module[name]
+    return kernel
