@@ -702,9 +702,10 @@ async def test_set_token_rotates_credentials(
 ) -> None:
     client = make_client(token="old\n")
     await client.list_topics("acme", "ns")
-    client.set_token("new")
+    assert client.set_token("old") is False  # the same token: nothing new to try
+    assert client.set_token("new") is True
     await client.list_topics("acme", "ns")
-    client.set_token(None)
+    assert client.set_token(None) is True
     await client.list_topics("acme", "ns")
     assert [r.headers.get("authorization") for r in state.requests] == [
         "Bearer old",

@@ -11,6 +11,7 @@ Pulsar's 500), and every topic still managed.
 from __future__ import annotations
 
 import collections
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,6 +290,18 @@ async def test_a_tenant_admin_token_is_an_operator_error(pulsar: PulsarCluster) 
     assert response is not None and "refuses our token" in response.json()["reason"]
     assert (await leader.metric("controllerd_operator_errors_total", kind="broker-auth") or 0) >= 1
     assert await _active(model, T1) == 1
+    # A reload that leaves the token as it was does not make the leader ready again.
+    reloads = len([e for e in leader.log_events() if e.get("event") == "config.reloaded"])
+    leader.signal(signal.SIGHUP)
+
+    async def reloaded() -> bool:
+        events = leader.log_events()
+        return len([e for e in events if e.get("event") == "config.reloaded"]) > reloads
+
+    await wait_until(reloaded, within=10)
+    response = await leader.get("/readyz")
+    assert response is not None and response.status_code == 503
+    assert "refuses our token" in response.json()["reason"]
     assert all(r.alive() for r in pulsar.replicas)
 
 

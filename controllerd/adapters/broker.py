@@ -346,13 +346,16 @@ class BrokerClient:
     def _segment_path(self, topic: TopicName, descriptor: str) -> str:
         return _segment_path(topic, self._local_name(topic), descriptor)
 
-    def set_token(self, token: str | None) -> None:
-        """Replace the bearer token (SIGHUP rotation); surrounding whitespace is dropped."""
+    def set_token(self, token: str | None) -> bool:
+        """Replace the bearer token (SIGHUP rotation); surrounding whitespace is dropped.
+        True if it differs from the one before."""
         if token is not None:
             token = token.strip()
             if not token or not header_safe(token):
                 raise ValueError("bearer token must be one line of printable ASCII")
+        changed = token != self._token
         self._token = token
+        return changed
 
     async def aclose(self) -> None:
         """Close the connection pool; safe to call twice."""

@@ -199,9 +199,10 @@ class Daemon:
         self.config = config_mod.reloaded(self.config, new)
         if self._controller is not None:
             self._controller.reconfigured()  # a lowered tick interval applies now
-        if self._broker is not None:
-            self._broker.set_token(token)
-            self._broker_auth_error = None  # a new token deserves a new try
+        if self._broker is not None and self._broker.set_token(token):
+            # A new token deserves a new try; the same one is still refused (readiness
+            # would otherwise say ready after any reload until the next refusal).
+            self._broker_auth_error = None
         configure_logging(self.config.logging.level, self.config.logging.format)
         self.metrics.config_reloads.labels(outcome="ok").inc()
         self.metrics.config_last_reload_ok.set(1)
