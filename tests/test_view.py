@@ -701,7 +701,7 @@ def test_pulsar_and_reporter_records_take_the_fast_read() -> None:
     assert view.topics[T].loads._extra is None
 
 
-def test_with_cold_since_is_replace_on_every_field() -> None:
+def test_with_cold_since_and_with_history_are_replace_on_every_field() -> None:
     """The evaluation's fast path must keep every field, including any added later."""
     full = LoadSample(
         Rates(1.0, 2.0, 3.0, 4.0),
@@ -720,6 +720,10 @@ def test_with_cold_since_is_replace_on_every_field() -> None:
         assert sample.with_cold_since(99) == dataclasses.replace(sample, cold_since_ms=99), (
             fields_set
         )
+        peak = Rates(20.0, 21.0, 22.0, 23.0)
+        assert sample.with_history(peak, 24, 25, 26.0, 27) == dataclasses.replace(
+            sample, peak_rates=peak, flipflops=24, last_flipflop_ms=25, rise=26.0, merged=27
+        ), fields_set
     assert all(getattr(full, f.name) != f.default for f in dataclasses.fields(LoadSample)), (
         "give every field a non-default value above"
     )

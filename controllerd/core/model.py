@@ -259,6 +259,30 @@ class LoadSample:
             self.merged,
         )
 
+    def with_history(
+        self,
+        peak_rates: Rates | None,
+        flipflops: int,
+        last_flipflop_ms: int | None,
+        rise: float,
+        merged: int,
+    ) -> LoadSample:
+        """This sample with the fields :class:`~controllerd.core.policy.TopicHistory`
+        keeps, built directly like :meth:`with_cold_since` (``replace`` was a twentieth
+        of a backtest of history-aware variants)."""
+        return LoadSample(
+            self.rates,
+            self.changed_at_ms,
+            self.sampled_at_ms,
+            self.cold_since_ms,
+            self.hash_buckets,
+            peak_rates,
+            flipflops,
+            last_flipflop_ms,
+            rise,
+            merged,
+        )
+
 
 # --- decisions -------------------------------------------------------------
 

@@ -1490,14 +1490,7 @@ class TopicHistory:
                 del self._ranges[segment_id]  # every merge leaves one: do not keep it
         if peak is None and state.flipflops == 0 and rise == 0 and merged == 0:
             return sample
-        return dataclasses.replace(
-            sample,
-            peak_rates=peak,
-            flipflops=state.flipflops,
-            last_flipflop_ms=state.last_flipflop_ms,
-            rise=rise,
-            merged=merged,
-        )
+        return sample.with_history(peak, state.flipflops, state.last_flipflop_ms, rise, merged)
 
     def to_json(self) -> dict[str, Any]:
         """The whole history as JSON, for a caller that persists it across a failover."""
