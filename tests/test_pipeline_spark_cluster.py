@@ -62,6 +62,9 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "SPARK_CONF_DIR": str(conf),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false",
+        # The master and worker daemons only start the executor here: the quick JIT tier
+        # and a serial collector spare the cores the rest of the suite shares.
+        "SPARK_DAEMON_JAVA_OPTS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
     }
     if "JAVA_HOME" in os.environ:
         env["JAVA_HOME"] = os.environ["JAVA_HOME"]
