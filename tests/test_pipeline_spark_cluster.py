@@ -82,7 +82,7 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_for(lambda: _accepts(port), "the master to listen")
         worker = subprocess.Popen(
             [spark_class, "org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1",
-             "--cores", "2", "--memory", "1g", "--webui-port", str(free_port()),
+             "--cores", "1", "--memory", "1g", "--webui-port", str(free_port()),
              "--work-dir", str(work / "work")],
             env=env, cwd=work, stdout=logs["worker"], stderr=subprocess.STDOUT,
         )  # fmt: skip

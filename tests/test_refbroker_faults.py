@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -48,10 +49,29 @@ class PausableKafka:
         self.proc, self.bootstrap = proc, bootstrap
 
     def pause(self) -> None:
+        """Returns once every thread of it is stopped: a SIGSTOP takes effect when the
+        process is next scheduled, and on a busy host a request sent at once was answered
+        (the test below failed once in CI with no timeout)."""
         self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            states = [_state(stat) for stat in tasks.glob("*/stat")]
+            if states and all(state in ("T", "t") for state in states):
+                return
+            time.sleep(0.01)
+        raise TimeoutError("tansu did not stop within 5 s of SIGSTOP")
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
+
+
+def _state(stat: Path) -> str:
+    """A thread's state letter from its /proc stat line ("R", "S", "T" ...), "" if gone."""
+    try:
+        return stat.read_text(encoding="ascii").rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 @contextlib.contextmanager
