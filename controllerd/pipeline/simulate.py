@@ -423,7 +423,8 @@ class _Idle:
         self.flips = np.empty(len(self.times) + 2, dtype=np.int64)
         self.state = np.zeros(kernel.S_SIZE, dtype=np.int64)
         self.written = np.zeros(4, dtype=np.float64)
-        fp = np.zeros(kernel.F_SIZE, dtype=np.float64)
+        # one set of parameters for both kernels (each sets its per-call ones first)
+        fp = np.zeros(kernel.F_RUN_SIZE, dtype=np.float64)
         fp[kernel.F_LIMIT] = gate.limit
         fp[kernel.F_GATE_SPLIT : kernel.F_GATE_SPLIT + 4] = gate.split
         fp[kernel.F_GATE_MERGE : kernel.F_GATE_MERGE + 4] = gate.merge
@@ -431,18 +432,13 @@ class _Idle:
         fp[kernel.F_SPLIT : kernel.F_SPLIT + 4] = self.split
         fp[kernel.F_WINDOW] = policy.merge_window_seconds * 1000.0  # backoff only lengthens it
         fp[kernel.F_HEARTBEAT] = hb_ms
+        fp[kernel.F_REFERENCE : kernel.F_REFERENCE + 4] = reference
         self.params_float = fp
-        ip = np.zeros(kernel.P_SIZE, dtype=np.int64)
+        ip = np.zeros(kernel.P_RUN_SIZE, dtype=np.int64)
         ip[kernel.P_STEP], ip[kernel.P_HEARTBEAT] = step_ms, heartbeat_ms
         ip[kernel.P_LAZY], ip[kernel.P_CROSSING] = lazy_heartbeats, gate.crossing
         ip[kernel.P_ENABLED], ip[kernel.P_TRACK_COLD] = policy.enabled, track_cold
         self.params_int = ip
-        fr = np.zeros(kernel.F_RUN_SIZE, dtype=np.float64)
-        fr[: kernel.F_SIZE] = fp
-        fr[kernel.F_REFERENCE : kernel.F_REFERENCE + 4] = reference
-        self.params_float_run = fr
-        self.params_run = np.zeros(kernel.P_RUN_SIZE, dtype=np.int64)
-        self.params_run[: kernel.P_SIZE] = ip
         self.rows_above = np.empty(len(self.times) + 2, dtype=np.int64)
         self.rows_f = np.empty((len(self.times) + 2, 3), dtype=np.float64)
         self.events = np.empty((len(self.times) + 2, kernel.EVENT_SIZE), dtype=np.int64)
@@ -527,7 +523,7 @@ class _Idle:
             [t, c, change, 0, 0, until is not None, until or 0, cut, self.spread_ids[c], 0, 0],
             dtype=np.int64,
         )
-        ip = self.params_run
+        ip = self.params_int
         ip[k.P_LAST], ip[k.P_SEGMENTS] = last, len(segs)
         ip[k.P_MERGING] = len(segs) > policy.min_segments
         ip[k.P_APART] = group_of == list(range(ng))  # one segment a group, in segment order
@@ -540,7 +536,7 @@ class _Idle:
         while True:
             code = k.idle_run(
                 self.totals_array, self.after_array, self.then_array, self.spread_ids,
-                self.params_float_run, ip, st, gi, gf, group_array,
+                self.params_float, ip, st, gi, gf, group_array,
                 rows_t, rows_c, rows_above, rows_f, events,
             )  # fmt: skip
             (t, c, change, writes, visits, has_until, until_ms, _, _, rows, n_events) = st.tolist()
