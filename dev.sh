@@ -67,9 +67,9 @@ case "$cmd" in
         # Three workers by default, on 2 cores: most tests wait on etcd, brokers and
         # subprocesses, and with two workers the cores stood ~30% idle; an idle worker
         # steals tests from the others, so none waits alone on a long file at the end.
-        # CONTROLLERD_TEST_WORKERS=0 runs
-        # everything in this process. Tests marked serial (rates measured on real
-        # traffic) run afterwards, alone. Exit status 5 is "no test selected".
+        # CONTROLLERD_TEST_WORKERS=0 runs everything in this process. Tests marked
+        # serial (rates measured on real traffic) run afterwards, alone. Exit status 5
+        # is "no test selected".
         tests_ok=0
         .venv/bin/python -m pytest -n "${CONTROLLERD_TEST_WORKERS:-3}" --dist worksteal \
             -m "not serial" "$@" || tests_ok=$?
