@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -180,6 +181,37 @@ def test_local_and_spark_give_identical_results(
     assert [list(x) for x in local["tl_segments"]] == [list(x) for x in remote["tl_segments"]]
     assert local["splits"].sum() > 0 and local["merges"].sum() > 0  # the set exercises both
     assert seen and seen[-1][0] == seen[-1][1]  # the progress callback reached the end
+
+
+def test_series_go_in_jobs_of_a_bounded_row_count_in_order() -> None:
+    sizes = [len(t.t_ms) for t in TRACES]
+    assert [len(j) for j in engines.series_jobs(TRACES, sum(sizes))] == [len(TRACES)]
+    one_each = engines.series_jobs(TRACES, 1)  # a trace longer than the bound goes alone
+    assert one_each == [[t] for t in TRACES]
+    pairs = engines.series_jobs(TRACES, sizes[0] + sizes[1])
+    assert [t for job in pairs for t in job] == list(TRACES)
+    assert all(sum(len(t.t_ms) for t in job) <= sizes[0] + sizes[1] for job in pairs[:-1])
+    assert engines.series_jobs([], 10) == []
+
+
+def test_spark_replays_series_in_several_jobs_as_in_one(
+    spark: SparkSession, variants: list[Variant], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet's series go in jobs of bounded size, one broadcast each: same rows."""
+    options = RunOptions(timeline_points=0)
+    local = run_local(TRACES, variants[:2], options, workers=1)
+    jobs: list[list[Trace]] = []
+    cut = engines.series_jobs
+
+    def spy(traces: Sequence[Trace], rows: int) -> list[list[Trace]]:
+        jobs.extend(cut(traces, rows))
+        return jobs
+
+    monkeypatch.setattr(engines, "SERIES_ROWS_PER_JOB", 1)
+    monkeypatch.setattr(engines, "series_jobs", spy)
+    remote = run_spark(TRACES, variants[:2], options, spark=spark)
+    assert len(jobs) == len(TRACES)
+    pd.testing.assert_frame_equal(metrics(local), metrics(remote), check_exact=True)
 
 
 def test_the_process_pool_gives_the_same_results(variants: list[Variant]) -> None:

@@ -16,8 +16,9 @@ it with ``SparkContext.addPyFile``, then checks that an executor imports
 ``controllerd`` from that zip (not from some other installed copy, which would
 silently replay another policy). Recorded histories are read by the executors
 themselves (``spark.read.parquet``), so their path must be one every executor
-can reach (a shared file system, HDFS, S3); CSV series are small and travel
-from the driver as one broadcast, fetched once per executor. Spark's and py4j's
+can reach (a shared file system, HDFS, S3); CSV series are read by the driver
+and travel as broadcasts, one per job of :data:`SERIES_ROWS_PER_JOB` rows,
+each fetched once per executor. Spark's and py4j's
 logging is cut to errors (a quiet log4j2 configuration for the JVMs), so a run
 prints only its own progress.
 """
@@ -201,6 +202,26 @@ Batch = list[tuple[str, str]]
 GROUPS_PER_TASK: Final = 64
 """A fleet's groups go at least this many to a task: a Spark task costs ~40 ms of its own
 (launch, a Python worker's round trip, one frame each way), as much as replaying a month."""
+
+
+SERIES_ROWS_PER_JOB: Final = 4_000_000
+"""Series go to Spark in jobs of about this many rows (one broadcast each), so the driver
+and every Python worker hold one job's series at a time: 10,000 topics' month of
+5-minute rows is ~75 million, several GB as Python objects in each process. 500 such
+topics per job replayed the fleet at the same speed as 50 (``bench.fleet_bench``)."""
+
+
+def series_jobs(traces: Sequence[Trace], rows: int) -> list[list[Trace]]:
+    """``traces`` in order, cut into runs of at most ``rows`` rows (a longer trace alone)."""
+    jobs: list[list[Trace]] = []
+    held = rows
+    for trace in traces:
+        if held + len(trace.t_ms) > rows:
+            jobs.append([])
+            held = 0
+        jobs[-1].append(trace)
+        held += len(trace.t_ms)
+    return jobs
 
 
 def batches(traces: Sequence[Trace], variants: Sequence[Variant], slots: int) -> list[Batch]:
@@ -668,16 +689,18 @@ def run_spark(
         watcher = _SparkProgress(session, group_id, progress) if progress else nullcontext()
         frames: list[pd.DataFrame] = []
         with watcher:
-            if traces:
-                # The series travel once, as a broadcast; a task gets a batch of (trace,
-                # variant) names, one partition each, and replays it in turn.
-                shipped = context.broadcast({t.name: t for t in traces})
-                work = batches(traces, variants, context.defaultParallelism)
+            for job in series_jobs(traces, SERIES_ROWS_PER_JOB):
+                # A job's series travel once, as a broadcast; a task gets a batch of
+                # (trace, variant) names, one partition each, and replays it in turn.
+                shipped = context.broadcast({t.name: t for t in job})
+                work = batches(job, variants, context.defaultParallelism)
                 frames += (
                     context.parallelize(work, len(work))
                     .mapPartitions(_batch_task(runner, shipped))
                     .collect()
                 )
+                shipped.unpersist()
+                shipped = None
             for part in parts:
                 frames.append(part.toPandas())
         result = pd.concat(frames, ignore_index=True)
