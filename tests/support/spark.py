@@ -13,6 +13,7 @@ Spark tests take the ``spark`` fixture::
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -30,6 +31,9 @@ def spark_fixture() -> Iterator[SparkSession]:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    # As spark_session() does: py4j's connections log at INFO when the interpreter
+    # collects them, after pytest has closed the streams ("--- Logging error ---").
+    logging.getLogger("py4j").setLevel(logging.ERROR)
     from pyspark.sql import SparkSession
 
     from controllerd.pipeline.engines import quiet_log4j2
