@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +81,9 @@ class ShardMembership:
         root: the controller root (``<controller_prefix>/<cluster>``).
         grant: called with a shard and its :class:`Leadership` once we hold its key.
         revoke: called with a shard the moment we must stop acting on it.
+        gate: awaited after our member key is written and before we claim a shard,
+            each time we join; it returns once we may (the daemon waits there while a
+            replica of the other election mode holds its key). It must not raise.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class ShardMembership:
         grant: Callable[[int, Leadership], None],
         revoke: Callable[[int], None],
         margin: float | None = None,
+        gate: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self._store = store
         self._members_prefix = f"{root}/members/"
@@ -107,6 +111,7 @@ class ShardMembership:
         self._margin = max(1.0, ttl / 4) if margin is None else margin
         self._grant = grant
         self._revoke = revoke
+        self._gate = gate
         self.members: set[str] = set()
         self._ignored_members: set[str] = set()  # said once each, until they count again
         self.owned: dict[int, Leadership] = {}
@@ -175,6 +180,8 @@ class ShardMembership:
             tg.start_soon(self._follow, self._members_prefix, members_rev + 1, self._on_member)
             tg.start_soon(self._follow, self._shards_prefix, holders_rev + 1, self._on_shard)
             tg.start_soon(_cancel_on, lease.expired, tg.cancel_scope)
+            if self._gate is not None:
+                await self._gate()  # cancelled with the rest if the lease expires meanwhile
             while lease.alive():
                 failed = await self._rebalance(lease)
                 if failed is not None:

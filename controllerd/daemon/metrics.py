@@ -101,6 +101,7 @@ NOT_READY_REASONS: Final = (
     "loading",
     "not-campaigning",
     "broker-auth",
+    "election-mode-mixed",
     "stopping",
     "other",
 )

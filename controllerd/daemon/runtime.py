@@ -91,6 +91,8 @@ LOADING_GRACE: Final = 2.0
 LOADING_POLL: Final = 0.5
 #: Seconds between warnings while the metadata prefix holds no topic.
 EMPTY_PREFIX_WARNING: Final = 600.0
+#: Seconds between looks at the other election mode's keys while they hold us back.
+MODE_MIX_POLL: Final = 1.0
 
 
 def _no_hangups() -> int:
@@ -152,6 +154,7 @@ class Daemon:
         self._etcd_error: str | None = "not contacted yet"
         self._campaigning = False
         self._broker_auth_error: str | None = None
+        self._mode_mix: str | None = None  # a replica of the other election mode, described
         self._reported: tuple[bool, str] | None = None
         self._announced_ready = False  # READY=1 sent: systemd considers us started
         self._membership: ShardMembership | None = None
@@ -239,6 +242,8 @@ class Daemon:
             return f"loading metadata from etcd ({loaded} keys so far)"
         if not self._campaigning:
             return "not campaigning yet"
+        if self._mode_mix is not None:
+            return f"election modes mixed: {self._mode_mix}"
         if self._broker_auth_error is not None and self._leads():
             return f"the broker refuses our token: {self._broker_auth_error}"
         return None
@@ -327,6 +332,7 @@ class Daemon:
             ("loading", "loading"),
             ("not campaigning", "not-campaigning"),
             ("the broker refuses", "broker-auth"),
+            ("election modes mixed", "election-mode-mixed"),
         ):
             if reason.startswith(prefix):
                 return code
@@ -764,11 +770,62 @@ class Daemon:
             ttl=self.config.election.lease_ttl_seconds,
             grant=grant,
             revoke=revoke,
+            gate=lambda: self._wait_out_other_mode(store, None),
         )
         self._membership = membership
         self._campaigning = True
         self._report()
         await membership.run()
+
+    async def _other_mode(self, store: Store) -> str | None:
+        """The replicas of the other election mode that hold their keys, described.
+
+        Both modes look after writing their own key (the leader key; a member key) and
+        before acting; etcd's reads are linearizable, so of two replicas that start
+        together at least one sees the other and waits: the modes fence with different
+        keys, and both acting would act twice on every topic. Only keys on a lease count.
+        """
+        if self.config.election.mode == "sharded":
+            kv = await store.get(self.keys.leader)
+            return f"a single-mode leader holds {self.keys.leader}" if kv and kv.lease else None
+        members, _ = await store.get_prefix(self.keys.members_prefix)
+        live = sum(1 for kv in members if kv.lease)
+        return f"{live} sharded replica(s) under {self.keys.members_prefix}" if live else None
+
+    async def _wait_out_other_mode(self, store: Store, lost: anyio.Event | None) -> bool:
+        """Return True once no replica of the other election mode holds its key, False if
+        ``lost`` is set first. Meanwhile this replica is not ready and says why; an etcd
+        error is one more reason to look again, never a reason to act."""
+        while True:
+            try:
+                other = await self._other_mode(store)
+                known = True
+            except StoreError as exc:
+                other, known = None, False
+                log.warning("election.mode_check_failed", error=str(exc), retry_in_s=MODE_MIX_POLL)
+            if known and other is None:
+                if self._mode_mix is not None:
+                    log.info("election.mode_mix_cleared", mode=self.config.election.mode)
+                    self._mode_mix = None
+                    self._report()
+                return True
+            if other is not None and self._mode_mix != other:
+                log.error(
+                    "election.mode_mixed",
+                    mode=self.config.election.mode,
+                    other=other,
+                    hint="[election] mode is not a rolling change: stop every replica of "
+                    "one mode (docs/operations.md, Upgrade)",
+                )
+                self._mode_mix = other
+                self._report()
+            if lost is None:
+                await anyio.sleep(MODE_MIX_POLL)
+                continue
+            with anyio.move_on_after(MODE_MIX_POLL):
+                await lost.wait()
+            if lost.is_set():
+                return False
 
     async def _lead_once(
         self, store: Store, controller: Controller, identity: Mapping[str, Any]
@@ -776,6 +833,8 @@ class Daemon:
         """Campaign, then lead until leadership is lost."""
         ttl = self.config.election.lease_ttl_seconds
         async with lead(store, self.keys.leader, identity, ttl=ttl) as leadership:
+            if not await self._wait_out_other_mode(store, leadership.lost):
+                return
             self.metrics.is_leader.set(1)
             self.metrics.fencing_token.set(leadership.token)
             self.metrics.leader_elections.inc()

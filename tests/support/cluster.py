@@ -34,6 +34,7 @@ class Cluster:
     store: Store
     keys: Keys
     tmp: Path
+    broker_url: str = ""
 
     async def leader(self, within: float = 20.0) -> Replica:
         """The one replica that says it leads (waits until exactly one does)."""
@@ -85,4 +86,4 @@ async def open_cluster(
             tmp, count, etcd=etcd_endpoint, prefix=prefix, broker_url=url, **config
         ) as running,
     ):
-        yield Cluster(running, state, store, keys, tmp)
+        yield Cluster(running, state, store, keys, tmp, url)
