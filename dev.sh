@@ -57,7 +57,7 @@ compile_sources() {
     # start (daemons, brokers, CLIs) compiled them again, ~0.3 s of CPU each (the suite
     # took 11% longer). Python checks a .pyc against its source's time: an edited file
     # is compiled afresh, never run stale.
-    .venv/bin/python -m compileall -q controllerd tests bench >/dev/null
+    .venv/bin/python -m compileall -q controllerd tests bench
 }
 
 cmd="${1:-}"
