@@ -27,12 +27,10 @@ import pytest
 
 from controllerd.pipeline.engines import QUIET_LOG4J2, RATE_COLUMNS
 from controllerd.pipeline.history import LOADS, write_rows
+from tests.support.spark import QUICK_JVM
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 T0: Final = 1_420_070_400_000
-QUICK_JVM: Final = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-"""For JVMs that live for one small test: C1 only and one collector thread take a third
-less CPU than the defaults' C2 compiles and parallel collector."""
 
 
 def free_port() -> int:

@@ -24,6 +24,10 @@ import pytest
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+"""For JVMs that live for a few small tests: C1 only and one collector thread take about
+a third less CPU than the C2 compiles and parallel collector of the defaults."""
+
 
 @pytest.fixture(name="spark", scope="session")
 def spark_fixture() -> Iterator[SparkSession]:
@@ -38,11 +42,7 @@ def spark_fixture() -> Iterator[SparkSession]:
 
     from controllerd.pipeline.engines import quiet_log4j2
 
-    # A JVM that lives for the tests alone: C1 only and one collector thread take about
-    # a third less CPU than the C2 compiles and parallel collector of the defaults.
-    java_options = (
-        f"-Dlog4j2.configurationFile={quiet_log4j2()} -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-    )
+    java_options = f"-Dlog4j2.configurationFile={quiet_log4j2()} {QUICK_JVM}"
     builder: Any = SparkSession.builder
     session: SparkSession = (
         builder.master("local[2]")
