@@ -97,3 +97,53 @@ async def test_a_replica_of_the_other_election_mode_waits_and_never_acts_beside_
         finally:
             await late.stop()
             await sharded.stop()
+
+
+async def test_replicas_of_both_modes_started_together_never_both_act(
+    etcd_server: EtcdServer, etcd_prefix: str, store: Store, tmp_path: Path
+) -> None:
+    """Started at the same moment, at least one of the two sees the other's key (each
+    writes its own, then reads): the broker never accepts calls fenced by both modes."""
+    async with open_cluster(
+        store, etcd_server.endpoint, etcd_prefix, tmp_path / "none", count=0, lease_ttl=TTL
+    ) as cluster:
+        replicas = []
+        for name, shards in (("single", None), ("sharded", DEFAULT_SHARDS)):
+            port = free_port()
+            config = write_config(
+                tmp_path / f"{name}.toml",
+                etcd=etcd_server.endpoint,
+                prefix=etcd_prefix,
+                broker_url=cluster.broker_url,
+                port=port,
+                lease_ttl=TTL,
+                shards=shards,
+            )
+            replicas.append(Replica(name, config, port, tmp_path / f"{name}.log"))
+        topics = [TopicName("acme", "ns", f"t{i}") for i in range(8)]
+        for topic in topics:  # work for whoever acts, spread over many shards
+            await cluster.add_topic(topic, segments=1)
+            await cluster.put_load(0, 30_000.0, topic)
+        for replica in replicas:
+            replica.start()
+        try:
+
+            def kinds() -> set[str]:
+                """The fencing keys of the calls the broker accepted, by mode."""
+                return {
+                    "leader" if c.key.endswith("/leader") else "shard"
+                    for c in cluster.broker.fenced_calls
+                    if c.accepted
+                }
+
+            async def settled() -> bool:
+                held = [await held_back(r) for r in replicas]
+                return all(held) or (any(held) and bool(kinds())) or len(kinds()) > 1
+
+            # Once held back, a replica acts only after the other mode's keys are gone;
+            # the one that acts never looks again. So this state lasts.
+            await wait_until(settled, within=30)
+            assert len(kinds()) <= 1, kinds()
+        finally:
+            for replica in replicas:
+                await replica.stop()
