@@ -21,6 +21,11 @@ keeps them only for the traces it plots (``--plot-traces``, replayed a second
 time). It prints the result's size a group, and what the fleet's groups would
 bring to the driver.
 
+These are projections from 65 groups of traces 14 to 214 days long, at whose size
+Spark's per-run cost and the longest traces weigh as much as the replay;
+``bench.fleet_bench --topics 10000`` replays the yardstick itself, on a fleet of equal
+months built from the same traces.
+
 Usage: python -m bench.backtest_bench [--traces ../shared/traces/nab ../shared/traces/aws] \\
            [--variants examples/variants.toml] [--engines local,spark] [--max-hours H] \\
            [--workers N] [--master local[2]] [--repeat 2] [--timeline-points N]
@@ -256,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{fleet:,.0f} steps x {1e9 * per_step:,.0f} ns = {seconds / 60:,.1f} minutes "
             "(goal <= 10)"
         )
+    print("  the yardstick replayed, not projected: python -m bench.fleet_bench --topics 10000")
     return 0
 
 
