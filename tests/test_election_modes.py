@@ -13,13 +13,30 @@ from pathlib import Path
 from controllerd.adapters.store import Store
 from controllerd.core.model import TopicName
 from controllerd.core.shards import DEFAULT_SHARDS
-from tests.support.cluster import open_cluster
+from tests.support.cluster import Cluster, open_cluster
 from tests.support.daemon import Replica, wait_until, write_config
 from tests.support.etcd import EtcdServer
 from tests.support.kafka import free_port
 
 TTL = 2
 TOPIC = TopicName("acme", "ns", "mixed")
+
+
+def make_replica(
+    name: str, shards: int | None, etcd: EtcdServer, prefix: str, cluster: Cluster
+) -> Replica:
+    """A replica (not started) of ``cluster``'s etcd and broker, in the mode ``shards`` says."""
+    port = free_port()
+    config = write_config(
+        cluster.tmp.parent / f"{name}.toml",
+        etcd=etcd.endpoint,
+        prefix=prefix,
+        broker_url=cluster.broker_url,
+        port=port,
+        lease_ttl=TTL,
+        shards=shards,
+    )
+    return Replica(name, config, port, cluster.tmp.parent / f"{name}.log")
 
 
 def said(replica: Replica, event: str) -> bool:
@@ -46,17 +63,7 @@ async def test_a_replica_of_the_other_election_mode_waits_and_never_acts_beside_
         store, etcd_server.endpoint, etcd_prefix, tmp_path / "single", count=1, lease_ttl=TTL
     ) as cluster:
         single = await cluster.leader()
-        port = free_port()
-        config = write_config(
-            tmp_path / "sharded.toml",
-            etcd=etcd_server.endpoint,
-            prefix=etcd_prefix,
-            broker_url=cluster.broker_url,
-            port=port,
-            lease_ttl=TTL,
-            shards=DEFAULT_SHARDS,
-        )
-        sharded = Replica("sharded", config, port, tmp_path / "sharded.log")
+        sharded = make_replica("sharded", DEFAULT_SHARDS, etcd_server, etcd_prefix, cluster)
         late = Replica("late", single.config, single.port, tmp_path / "late.log")
         sharded.start()
         try:
@@ -107,19 +114,10 @@ async def test_replicas_of_both_modes_started_together_never_both_act(
     async with open_cluster(
         store, etcd_server.endpoint, etcd_prefix, tmp_path / "none", count=0, lease_ttl=TTL
     ) as cluster:
-        replicas = []
-        for name, shards in (("single", None), ("sharded", DEFAULT_SHARDS)):
-            port = free_port()
-            config = write_config(
-                tmp_path / f"{name}.toml",
-                etcd=etcd_server.endpoint,
-                prefix=etcd_prefix,
-                broker_url=cluster.broker_url,
-                port=port,
-                lease_ttl=TTL,
-                shards=shards,
-            )
-            replicas.append(Replica(name, config, port, tmp_path / f"{name}.log"))
+        replicas = [
+            make_replica(name, shards, etcd_server, etcd_prefix, cluster)
+            for name, shards in (("single", None), ("sharded", DEFAULT_SHARDS))
+        ]
         topics = [TopicName("acme", "ns", f"t{i}") for i in range(8)]
         for topic in topics:  # work for whoever acts, spread over many shards
             await cluster.add_topic(topic, segments=1)
