@@ -56,8 +56,8 @@ compile_sources() {
     # PYTHONDONTWRITEBYTECODE is set nothing else would, and every process the tests
     # start (daemons, brokers, CLIs) compiled them again, ~0.3 s of CPU each (the suite
     # took 11% longer). Python checks a .pyc against its source's time: an edited file
-    # is compiled afresh, never run stale.
-    .venv/bin/python -m compileall -q controllerd tests bench
+    # is compiled afresh, never run stale. Arguments: the trees to compile.
+    .venv/bin/python -m compileall -q "$@"
 }
 
 cmd="${1:-}"
@@ -66,7 +66,7 @@ case "$cmd" in
         shift
         setup_system
         setup_python
-        compile_sources
+        compile_sources controllerd tests bench
         # The replay's numba kernels, compiled into their disk cache once, before the
         # workers and the backtests they start each compile them (~6 s of CPU each).
         (.venv/bin/python -m tests.support.warm_kernels >/dev/null 2>&1 || true) &
@@ -99,7 +99,7 @@ case "$cmd" in
         shift
         setup_system
         setup_python
-        compile_sources
+        compile_sources controllerd  # the demo runs no test or bench module
         exec .venv/bin/controllerd demo "$@"
         ;;
     *)
